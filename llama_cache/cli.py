@@ -1,0 +1,66 @@
+"""The ``llama-cache`` command: a thin layer over the public API.
+
+    llama-cache demo [--model PATH]     two interleaved chats, per-turn time to first token, with and
+                                        without a cache plugged into a plain llama_cpp.Llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from llama_cache._model import default_model_path
+
+
+def _model_parent() -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="GGUF model to load (default: $LLAMA_CACHE_MODEL, else the embedded SmolLM2-135M-Instruct)",
+    )
+    return parent
+
+
+def _resolve_model(path: Path | None) -> Path:
+    if path is None:
+        return default_model_path()
+    if not path.is_file():
+        raise SystemExit(f"llama-cache: model file not found: {path}")
+    return path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llama-cache",
+        description="Prefix-state caching for llama.cpp: reuse computed model state across prompts.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    model = _model_parent()
+    demo = commands.add_parser(
+        "demo",
+        parents=[model],
+        help="interleaved chats on a plain llama_cpp.Llama, with and without LlamaCache",
+    )
+    demo.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from llama_cache.demo import run_demo
+
+        if args.turns < 1 or args.max_tokens < 1:
+            raise SystemExit("llama-cache: --turns and --max-tokens must be positive")
+        return run_demo(_resolve_model(args.model), turns=args.turns, max_tokens=args.max_tokens)
+    raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Measuring completions: time to first token and prompt tokens evaluated, for any ``llama_cpp.Llama``.
+
+Used by the CLI's demo and benchmarks, and by tests that check how many tokens a cache saved.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionTiming:
+    """What one streamed completion cost.
+
+    Attributes:
+        ttft_s: seconds from the call to the first streamed chunk.
+        total_s: seconds until the stream ended.
+        prompt_tokens_evaluated: tokens the model evaluated before it sampled the first token.
+        text: the generated text.
+    """
+
+    ttft_s: float
+    total_s: float
+    prompt_tokens_evaluated: int
+    text: str
+
+
+class EvalRecorder:
+    """Records the sizes of a model's ``eval`` calls, in order.
+
+    llama-cpp-python evaluates the remaining prompt in one ``eval`` call and each generated token in
+    its own, so the first call of a completion is its prompt evaluation. llama-cache's ``Llama`` skips
+    ``eval`` entirely on an exact hit; it reports that through ``last_prompt_tokens_evaluated``.
+    """
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def prompt_tokens(self, llm: llama_cpp.Llama) -> int:
+        """Prompt tokens evaluated by the completion recorded since the last :meth:`clear`."""
+        reported = getattr(llm, "last_prompt_tokens_evaluated", None)
+        if isinstance(reported, int):
+            return reported
+        return self.calls[0] if self.calls else 0
+
+    def clear(self) -> None:
+        self.calls.clear()
+
+
+@contextmanager
+def recording_evals(llm: llama_cpp.Llama) -> Iterator[EvalRecorder]:
+    """Wrap ``llm.eval`` for the duration of the block; the recorder lists each call's token count."""
+    recorder = EvalRecorder()
+    original = llm.eval
+
+    def eval_and_record(tokens: Sequence[int]) -> None:
+        recorder.calls.append(len(tokens))
+        original(tokens)
+
+    llm.eval = eval_and_record  # type: ignore[method-assign]
+    try:
+        yield recorder
+    finally:
+        del llm.eval  # back to the class's method
+
+
+def _consume(stream: Iterator[Any], started: float, recorder: EvalRecorder, llm: llama_cpp.Llama,
+             chat: bool) -> CompletionTiming:
+    first: float | None = None
+    pieces: list[str] = []
+    for chunk in stream:
+        if first is None:
+            first = time.perf_counter()
+        choice = chunk["choices"][0]
+        piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
+        if piece:
+            pieces.append(piece)
+    ended = time.perf_counter()
+    return CompletionTiming(
+        ttft_s=(first or ended) - started,
+        total_s=ended - started,
+        prompt_tokens_evaluated=recorder.prompt_tokens(llm),
+        text="".join(pieces),
+    )
+
+
+def timed_completion(llm: llama_cpp.Llama, prompt: str | list[int], **kwargs: Any) -> CompletionTiming:
+    """Run a streamed ``create_completion`` and measure it."""
+    with recording_evals(llm) as recorder:
+        started = time.perf_counter()
+        stream = llm.create_completion(prompt, stream=True, **kwargs)
+        return _consume(iter(stream), started, recorder, llm, chat=False)
+
+
+def timed_chat_completion(llm: llama_cpp.Llama, messages: list[dict[str, str]], **kwargs: Any) -> CompletionTiming:
+    """Run a streamed ``create_chat_completion`` and measure it.
+
+    The first chunk of a chat stream (the assistant role) is produced together with the first
+    generated token, so it marks the time to first token.
+    """
+    with recording_evals(llm) as recorder:
+        started = time.perf_counter()
+        stream = llm.create_chat_completion(messages=messages, stream=True, **kwargs)
+        return _consume(iter(stream), started, recorder, llm, chat=True)  # type: ignore[arg-type]

@@ -1,0 +1,115 @@
+"""The in-memory caches run the shared contract, plus what only they promise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from llama_cpp.llama import LlamaState as UpstreamState
+
+from llama_cache import LlamaCache, LlamaRAMCache, LlamaTrieCache
+from llama_cache.caches.base import memory_blocks
+from tests.cache_contract import CacheContract
+
+
+class TestRAMCacheContract(CacheContract):
+    policy = "longest_common_prefix"
+
+    def make_cache(self, capacity_bytes: int) -> Any:
+        return LlamaRAMCache(capacity_bytes=capacity_bytes)
+
+
+class TestTrieCacheContract(CacheContract):
+    policy = "whole_key_prefix"
+
+    def make_cache(self, capacity_bytes: int) -> Any:
+        return LlamaTrieCache(capacity_bytes=capacity_bytes)
+
+
+def test_llama_cache_is_the_trie_cache() -> None:
+    assert LlamaCache is LlamaTrieCache
+
+
+def _upstream_state(n_ctx: int, n_vocab: int, state_bytes: int) -> UpstreamState:
+    return UpstreamState(
+        input_ids=np.zeros(n_ctx, dtype=np.intc),
+        scores=np.zeros((8, n_vocab), dtype=np.single),
+        n_tokens=3,
+        llama_state=bytes(state_bytes),
+        llama_state_size=state_bytes,
+        seed=1,
+    )
+
+
+def test_llama_cpp_states_are_charged_for_everything_they_hold() -> None:
+    state = _upstream_state(n_ctx=512, n_vocab=1000, state_bytes=4096)
+    owned = state.input_ids.nbytes + state.scores.nbytes + 4096
+    assert sum(size for _, size in memory_blocks(state)) == owned
+    cache = LlamaRAMCache(capacity_bytes=10**6)
+    cache[[1, 2, 3]] = state
+    assert cache.cache_size == owned  # llama-cpp-python would charge only 4096
+
+
+def test_legacy_objects_fall_back_to_llama_state_size() -> None:
+    class Legacy:
+        llama_state_size = 123
+
+    cache = LlamaTrieCache(capacity_bytes=1000)
+    cache[[1]] = Legacy()
+    assert cache.cache_size == 123
+
+
+def test_values_without_a_size_are_refused() -> None:
+    cache = LlamaTrieCache(capacity_bytes=1000)
+    with pytest.raises(TypeError):
+        cache[[1]] = object()
+    assert len(cache) == 0
+
+
+class _SharedBlocks:
+    """A value made of named blocks, some shared with other values."""
+
+    def __init__(self, *blocks: tuple[str, int]) -> None:
+        self._blocks = list(blocks)
+
+    def memory_blocks(self) -> list[tuple[str, int]]:
+        return self._blocks
+
+
+def test_shared_blocks_are_charged_once_and_released_with_the_last_holder() -> None:
+    cache = LlamaRAMCache(capacity_bytes=10**6)
+    cache[[1, 2]] = _SharedBlocks(("prefix", 1000), ("a", 10))
+    cache[[1, 2, 3]] = _SharedBlocks(("prefix", 1000), ("a", 10), ("b", 20))
+    assert cache.cache_size == 1030
+    del cache[[1, 2]]
+    assert cache.cache_size == 1030
+    del cache[[1, 2, 3]]
+    assert cache.cache_size == 0
+    with pytest.raises(KeyError):
+        del cache[[1, 2, 3]]
+
+
+def test_numpy_and_tuple_keys_are_the_same_key() -> None:
+    cache = LlamaRAMCache(capacity_bytes=10**6)
+    cache[np.array([4, 5, 6], dtype=np.int64)] = _SharedBlocks(("x", 1))
+    cache[(4, 5, 6)] = _SharedBlocks(("y", 2))
+    assert len(cache) == 1
+    assert list(cache.keys()) == [(4, 5, 6)]
+
+
+def test_a_stored_key_is_not_affected_by_mutating_the_callers_array() -> None:
+    cache = LlamaTrieCache(capacity_bytes=10**6)
+    key = np.array([1, 2, 3])
+    cache[key] = _SharedBlocks(("x", 1))
+    key[0] = 9
+    assert [1, 2, 3] in cache
+    assert [9, 2, 3] not in cache
+
+
+def test_oversized_replacement_drops_the_old_state() -> None:
+    cache = LlamaTrieCache(capacity_bytes=100)
+    cache[[1]] = _SharedBlocks(("small", 10))
+    cache[[1]] = _SharedBlocks(("huge", 1000))
+    assert [1] not in cache
+    assert cache.cache_size == 0
