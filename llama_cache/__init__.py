@@ -1,4 +1,4 @@
-"""llama-cache: reuse computed llama.cpp model state across prompts that share a prefix.
+r"""llama-cache: reuse computed llama.cpp model state across prompts that share a prefix.
 
 The public API, exported once here:
 
@@ -6,6 +6,9 @@ The public API, exported once here:
   ``KeyError``): :class:`LlamaRAMCache` (longest common prefix), :class:`LlamaTrieCache` and its
   alias :class:`LlamaCache` (longest stored key that prefixes the query), on the base
   :class:`BaseLlamaCache`; :class:`TrieNode` is the radix tree's node.
+- :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
+  reuses partial prefixes and serves exact repeats without a decode; :class:`IncompatibleStateError`
+  when a state belongs to another model.
 - :class:`CacheStats`, the counters every cache's ``stats()`` returns.
 - :func:`default_model_path`, the embedded default model.
 """
@@ -15,14 +18,19 @@ from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.index import TrieNode
+from llama_cache.llama import Llama
+from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 
 LlamaCache = LlamaTrieCache
 
 __all__ = [
     "BaseLlamaCache",
     "CacheStats",
+    "IncompatibleStateError",
+    "Llama",
     "LlamaCache",
     "LlamaRAMCache",
+    "LlamaState",
     "LlamaTrieCache",
     "TrieNode",
     "default_model_path",

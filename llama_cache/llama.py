@@ -1,0 +1,298 @@
+"""``llama_cache.Llama``: ``llama_cpp.Llama`` with compact, shareable cache states and exact hits.
+
+Change one import (``from llama_cache import Llama``) and ``cache=`` works as llama-cpp-python's does,
+with these differences:
+
+- States are :class:`~llama_cache.state.llama_state.LlamaState`: the sequence's KV plus one logits row,
+  not a context-sized scores matrix. A state extended from a restored one shares its KV and owns only
+  the new tokens', so a chat's memory grows with its new tokens.
+- After a completion the prompt's own state is cached beside prompt+completion (a view, no copy), and an
+  exact repeat of a cached prompt samples its first token from the stored logits: no decode at all.
+- When the best entry diverges from the prompt (``LlamaRAMCache``'s policy) it is restored and its KV
+  cut back to the common prefix; only the rest is evaluated.
+- A state from another model or KV configuration is a cache miss (logged), never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Generator, Iterator, Sequence
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from llama_cache.caches.base import BaseLlamaCache
+from llama_cache.state.fingerprint import model_fingerprint
+from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)
+_SEQ = 0  # llama-cpp-python evaluates everything in sequence 0
+
+
+class Llama(llama_cpp.Llama):
+    """A ``llama_cpp.Llama`` whose prompt cache stores compact states and reuses partial prefixes.
+
+    Args:
+        *args, **kwargs: as ``llama_cpp.Llama``.
+        cache: a prompt cache (any :class:`~llama_cache.BaseLlamaCache`), as if passed to
+            ``set_cache``.
+        ctx_checkpoints: maximum recurrent/hybrid checkpoints kept (0 disables them).
+        checkpoint_interval: tokens between checkpoints during a long prefill (positive).
+        checkpoint_on_device: keep checkpoint tensors in llama.cpp's device buffers.
+
+    Not thread-safe: like ``llama_cpp.Llama``, one instance serves one request at a time.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        cache: BaseLlamaCache | None = None,
+        ctx_checkpoints: int = 16,
+        checkpoint_interval: int = 4096,
+        checkpoint_on_device: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        for name, value in (("ctx_checkpoints", ctx_checkpoints), ("checkpoint_interval", checkpoint_interval)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if checkpoint_interval <= 0:
+            raise ValueError(f"checkpoint_interval must be positive, got {checkpoint_interval}")
+        if cache is not None and not isinstance(cache, llama_cpp.llama_cache.BaseLlamaCache):
+            raise TypeError(f"cache must be a BaseLlamaCache, got {type(cache).__name__}")
+        super().__init__(*args, **kwargs)
+        self.ctx_checkpoints = max(ctx_checkpoints, 0)
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_on_device = bool(checkpoint_on_device)
+        self.fingerprint = model_fingerprint(self)
+        model = self._model.model
+        self._state_is_opaque = bool(
+            llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+        )
+        self._n_vocab_cached = int(self.n_vocab())
+        # The state whose KV the context holds for its first `_base_valid` tokens: a later save
+        # shares that part instead of copying it.
+        self._base: LlamaState | None = None
+        self._base_valid = 0
+        # Logits restored with a state, used by the next sample instead of a decode.
+        self._restored_logits: npt.NDArray[np.float32] | None = None
+        self._last_logits = np.empty(self._n_vocab_cached, dtype=np.float32)
+        self._last_logits_pos = -1
+        self._prompt_len = 0
+        self._prompt_logits: npt.NDArray[np.float32] | None = None
+        self._evaluated_in_generate = 0
+        self._awaiting_first_sample = False
+        self._pending_prompt_state: tuple[npt.NDArray[np.int32], LlamaState] | None = None
+        self.last_prompt_tokens_evaluated = 0
+        """Prompt tokens the last ``generate`` evaluated before its first token (0 on an exact hit)."""
+        if cache is not None:
+            self.set_cache(cache)
+
+    # -- evaluation and sampling -------------------------------------------------------------------
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate ``tokens`` after the current ``n_tokens`` (as ``llama_cpp.Llama.eval``).
+
+        Raises:
+            ValueError: a token is negative or not in the vocabulary.
+            TypeError: a token is not an int.
+        """
+        tokens = self._checked_tokens(tokens)
+        if not tokens:
+            return  # llama-cpp-python evaluates nothing before sampling an already-evaluated prompt
+        self._restored_logits = None
+        self._base_valid = min(self._base_valid, self.n_tokens)
+        self._evaluated_in_generate += len(tokens)
+        super().eval(tokens)
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Sequence[int] | None, None]:
+        """As ``llama_cpp.Llama.generate``; also records the prompt's logits and evaluated tokens."""
+        tokens = self._checked_tokens(tokens)
+        self._prompt_len = len(tokens)
+        self._prompt_logits = None
+        self._evaluated_in_generate = 0
+        self._awaiting_first_sample = True
+        return (yield from super().generate(tokens, *args, **kwargs))
+
+    def sample(self, *args: Any, idx: int | None = None, **kwargs: Any) -> int:
+        """As ``llama_cpp.Llama.sample``; after an exact cache hit, samples from the stored logits.
+
+        The stored row goes through the same sampler chain, the way ``llama_sampler_sample`` feeds
+        it a freshly decoded row, so the token is the one a cold run samples.
+        """
+        position = self.n_tokens - 1 if idx is None else idx
+        if self._restored_logits is not None and position == self.n_tokens - 1:
+            row = self._restored_logits
+            self._restored_logits = None
+            token = self._sample_row(row, *args, **kwargs)
+        else:
+            token = super().sample(*args, idx=idx, **kwargs)
+            pointer = llama_cpp.llama_get_logits_ith(self._ctx.ctx, position - self.n_tokens)
+            row = np.ctypeslib.as_array(pointer, shape=(self._n_vocab_cached,))
+        np.copyto(self._last_logits, row)
+        self._last_logits_pos = position
+        if self._awaiting_first_sample:
+            self._awaiting_first_sample = False
+            self.last_prompt_tokens_evaluated = self._evaluated_in_generate
+            if position == self._prompt_len - 1:
+                self._prompt_logits = self._last_logits.copy()
+        return token
+
+    def _sample_row(self, row: npt.NDArray[np.float32], *args: Any, **kwargs: Any) -> int:
+        sampler = self._sampler
+        temporary = sampler is None
+        if temporary:
+            names = (
+                "top_k top_p min_p typical_p temp repeat_penalty frequency_penalty presence_penalty "
+                "tfs_z mirostat_mode mirostat_eta mirostat_tau penalize_nl logits_processor grammar"
+            ).split()
+            options = dict(zip(names, args))
+            options.update({k: v for k, v in kwargs.items() if k in names})
+            sampler = self._init_sampler(**options)
+        candidates = np.empty(len(row), dtype=_TOKEN_DATA)
+        candidates["id"] = np.arange(len(row), dtype=np.int32)
+        candidates["logit"] = row
+        candidates["p"] = 0.0
+        array = llama_cpp.llama_token_data_array(
+            data=candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+            size=len(row),
+            selected=-1,
+            sorted=False,
+        )
+        llama_cpp.llama_sampler_apply(sampler.sampler, ctypes.byref(array))
+        token = int(array.data[array.selected].id)
+        llama_cpp.llama_sampler_accept(sampler.sampler, token)
+        if temporary:
+            self._sampler = None
+        return token
+
+    def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError("tokens must be a sequence of token ids, not text; tokenize it first")
+        checked = list(tokens)
+        for token in checked:
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
+                raise TypeError(f"token ids must be ints, got {type(token).__name__}")
+            if not 0 <= token < self._n_vocab_cached:
+                raise ValueError(f"token id {token} is outside the vocabulary (0..{self._n_vocab_cached - 1})")
+        return [int(token) for token in checked]
+
+    # -- states ------------------------------------------------------------------------------------
+
+    def save_state(self) -> LlamaState:  # type: ignore[override]
+        """Snapshot the evaluated sequence as a compact :class:`LlamaState`.
+
+        Costs one copy of llama.cpp's sequence state; when the context still holds the KV of the
+        last restored or saved state, the new state shares it and keeps a copy of the new tokens'
+        KV only. With ``logits_all=True`` llama-cpp-python's own state (with all scores) is returned.
+        """
+        if self._logits_all:
+            return super().save_state()  # type: ignore[return-value]
+        n = self.n_tokens
+        tokens = np.array(self._input_ids[:n], dtype=np.int32)
+        tokens.setflags(write=False)
+        seq_bytes = self._read_seq_bytes()
+        logits = self._last_logits.copy() if self._last_logits_pos == n - 1 and n > 0 else None
+        base, shared = self._base, self._base_valid
+        if (
+            base is not None
+            and not self._state_is_opaque
+            and 0 < shared <= min(base.n_tokens, n)
+            and np.array_equal(base.tokens[:shared], tokens[:shared])
+        ):
+            state = base.extended(shared, tokens, logits, self._seed, seq_bytes)
+        else:
+            state = LlamaState.from_seq_bytes(
+                tokens, logits, self._seed, self.fingerprint, seq_bytes, parse=not self._state_is_opaque
+            )
+        self._base, self._base_valid = state, n
+        prompt_len = self._prompt_len
+        if self._prompt_logits is not None and 0 < prompt_len < n and state.layout is not None:
+            self._pending_prompt_state = (tokens[:prompt_len], state.prefix(prompt_len, self._prompt_logits))
+        return state
+
+    def load_state(self, state: Any) -> None:
+        """Restore a state into the context (sequence 0).
+
+        Accepts llama-cache's :class:`LlamaState` and llama-cpp-python's own.
+
+        Raises:
+            IncompatibleStateError: the state was made by another model or KV configuration, does
+                not fit the context, or llama.cpp refused it (the context is then cleared). It is a
+                ``KeyError``, so a completion treats it as a cache miss.
+        """
+        if not isinstance(state, LlamaState):
+            self._forget_base()
+            super().load_state(state)
+            return
+        if state.fingerprint != self.fingerprint:
+            logger.warning("cache miss: state made by another model or configuration (%s, here %s)",
+                           state.fingerprint, self.fingerprint)
+            raise IncompatibleStateError("state was made by another model or KV configuration")
+        if state.n_tokens > self._n_ctx:
+            raise IncompatibleStateError(f"state of {state.n_tokens} tokens does not fit n_ctx={self._n_ctx}")
+        data = np.ascontiguousarray(state.seq_bytes(_SEQ))
+        memory = llama_cpp.llama_get_memory(self._ctx.ctx)
+        llama_cpp.llama_memory_seq_rm(memory, _SEQ, -1, -1)
+        read = llama_cpp.llama_state_seq_set_data(
+            self._ctx.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), _SEQ
+        )
+        if read != len(data):
+            llama_cpp.llama_memory_clear(memory, True)
+            self.n_tokens = 0
+            self._requires_eval = True
+            self._forget_base()
+            logger.warning("cache miss: llama.cpp refused a %d-byte state (read %d)", len(data), read)
+            raise IncompatibleStateError("llama.cpp refused the state")
+        n = state.n_tokens
+        self.input_ids[:n] = state.tokens
+        self.n_tokens = n
+        self._seed = state.seed
+        self._base, self._base_valid = state, n
+        self._restored_logits = state.logits
+        self._requires_eval = state.logits is None
+
+    def _read_seq_bytes(self) -> npt.NDArray[np.uint8]:
+        size = llama_cpp.llama_state_seq_get_size(self._ctx.ctx, _SEQ)
+        buffer = np.empty(size, dtype=np.uint8)
+        written = llama_cpp.llama_state_seq_get_data(
+            self._ctx.ctx, buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, _SEQ
+        )
+        if written == 0 or written > size:
+            raise RuntimeError(f"llama.cpp wrote {written} bytes of a {size}-byte sequence state")
+        return buffer[:written]
+
+    def _forget_base(self) -> None:
+        self._base, self._base_valid = None, 0
+        self._restored_logits = None
+
+    def close(self) -> None:
+        """Free the model and context (as ``llama_cpp.Llama.close``)."""
+        if hasattr(self, "_stack"):  # a constructor that raised early never built one
+            super().close()
+
+    def reset(self) -> None:
+        """Forget the evaluated sequence (as ``llama_cpp.Llama.reset``); the prompt cache is kept."""
+        super().reset()
+        self._restored_logits = None
+
+    # -- completions -------------------------------------------------------------------------------
+
+    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        # llama-cpp-python saves prompt+completion's state just before its last chunk; the prompt's
+        # own state (prepared by save_state) is stored then too, before the chunk reaches the caller.
+        self._pending_prompt_state = None
+        for chunk in super()._create_completion(*args, **kwargs):
+            self._store_prompt_state()
+            yield chunk
+        self._store_prompt_state()
+
+    def _store_prompt_state(self) -> None:
+        pending, self._pending_prompt_state = self._pending_prompt_state, None
+        if pending is not None and self.cache is not None:
+            key, state = pending
+            self.cache[key] = state

@@ -1,0 +1,264 @@
+"""llama.cpp's per-sequence KV bytes, parsed into per-layer arrays that states can share.
+
+``llama_state_seq_get_data`` serialises one sequence of a transformer KV cache as::
+
+    u32 magic (0xaf143cd8), i32 seq_id
+    u32 n_stream (1)
+    u32 cell_count
+    cell_count x (i32 pos, u32 n_seq_id = 1, i32 seq_id)
+    u32 v_trans, u32 n_layer
+    n_layer x (i32 k_type, u64 k_row_bytes, cell_count x k_row_bytes)
+    v_trans == 0: n_layer x (i32 v_type, u64 v_row_bytes, cell_count x v_row_bytes)
+    v_trans == 1: n_layer x (i32 v_type, u32 v_elem_bytes, u32 n_embd_v,
+                             n_embd_v x cell_count x v_elem_bytes)
+
+(``llama_kv_cache::state_write`` in the vendored llama.cpp). Parsing it into :class:`KVSegment`\\ s, one
+run of consecutive positions each, lets a state extended by a few tokens keep its parent's segments and
+own only the new one: a chat's next turn costs the memory of its new tokens, not a whole copy. Layouts
+this module does not recognise (several streams, extra cell data, recurrent memory) are not parsed;
+callers keep those states as opaque bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+Bytes = npt.NDArray[np.uint8]
+
+SEQ_STATE_MAGIC = 0xAF143CD8
+_CELL = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The shape of one model's per-sequence KV bytes (everything but the cells' contents)."""
+
+    v_trans: bool
+    k_types: tuple[int, ...]
+    k_row_bytes: tuple[int, ...]
+    v_types: tuple[int, ...]
+    v_row_bytes: tuple[int, ...]  # bytes per cell; with v_trans, elem_bytes * n_embd_v
+    v_elem_bytes: tuple[int, ...]  # with v_trans only, else zeros
+    n_embd_v: tuple[int, ...]  # with v_trans only, else zeros
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.k_types)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(self.k_row_bytes) + sum(self.v_row_bytes)
+
+    def serialized_size(self, n_tokens: int) -> int:
+        """Bytes of the llama.cpp serialisation of ``n_tokens`` cells in this layout."""
+        if n_tokens == 0:
+            return 16
+        header = 16 + n_tokens * _CELL.itemsize + 8
+        # Per layer: a 12-byte header before its keys and another before its values.
+        return header + 24 * self.n_layer + n_tokens * self.bytes_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class KVSegment:
+    """The KV of ``n_tokens`` consecutive positions, every layer, in one buffer.
+
+    ``k[i]`` is layer i's keys, shape (n_tokens, k_row_bytes); ``v[i]`` its values, shape
+    (n_tokens, v_row_bytes) or, transposed, (n_embd_v, n_tokens * v_elem_bytes). All are views into
+    ``buffer``; a truncated segment is a view too and keeps the same ``buffer``.
+    """
+
+    buffer: Bytes
+    n_tokens: int
+    k: tuple[Bytes, ...]
+    v: tuple[Bytes, ...]
+
+    def head(self, n_tokens: int, layout: KVLayout) -> KVSegment:
+        """The first ``n_tokens`` positions of this segment, as views (no copy)."""
+        if n_tokens == self.n_tokens:
+            return self
+        k = tuple(layer[:n_tokens] for layer in self.k)
+        if layout.v_trans:
+            v = tuple(layer[:, : n_tokens * el] for layer, el in zip(self.v, layout.v_elem_bytes))
+        else:
+            v = tuple(layer[:n_tokens] for layer in self.v)
+        return KVSegment(self.buffer, n_tokens, k, v)
+
+    def slice_copy(self, start: int, layout: KVLayout) -> KVSegment:
+        """Positions ``start:`` of this segment, copied into a new buffer of their own."""
+        n = self.n_tokens - start
+        buffer = np.empty(n * layout.bytes_per_token, dtype=np.uint8)
+        k: list[Bytes] = []
+        v: list[Bytes] = []
+        offset = 0
+        for layer, row in zip(self.k, layout.k_row_bytes):
+            view = buffer[offset : offset + n * row].reshape(n, row)
+            view[...] = layer[start:]
+            k.append(view)
+            offset += n * row
+        for i, layer in enumerate(self.v):
+            size = n * layout.v_row_bytes[i]
+            if layout.v_trans:
+                el = layout.v_elem_bytes[i]
+                view = buffer[offset : offset + size].reshape(layout.n_embd_v[i], n * el)
+                view[...] = layer[:, start * el :]
+            else:
+                view = buffer[offset : offset + size].reshape(n, layout.v_row_bytes[i])
+                view[...] = layer[start:]
+            v.append(view)
+            offset += size
+        return KVSegment(buffer, n, tuple(k), tuple(v))
+
+
+class _Reader:
+    def __init__(self, data: Bytes) -> None:
+        self.data = data
+        self.offset = 0
+
+    def scalar(self, dtype: str) -> int:
+        size = np.dtype(dtype).itemsize
+        if self.offset + size > len(self.data):
+            raise ValueError("truncated")
+        value = int(self.data[self.offset : self.offset + size].view(dtype)[0])
+        self.offset += size
+        return value
+
+    def take(self, size: int) -> Bytes:
+        if size < 0 or self.offset + size > len(self.data):
+            raise ValueError("truncated")
+        chunk = self.data[self.offset : self.offset + size]
+        self.offset += size
+        return chunk
+
+
+def parse_seq_state(data: Bytes) -> tuple[KVLayout, KVSegment] | None:
+    """Parse one sequence's KV bytes into a layout and a single segment of views into ``data``.
+
+    Cells are put in position order. Returns None for anything this module does not handle (several
+    streams, cells with extra data or several sequences, positions other than 0..n-1, trailing bytes),
+    and for an empty sequence; callers then keep the bytes whole.
+
+    Complexity: O(number of layers) Python work plus one gather when llama.cpp wrote cells out of
+    position order; no copy otherwise.
+    """
+    try:
+        reader = _Reader(data)
+        if reader.scalar("<u4") != SEQ_STATE_MAGIC:
+            return None
+        reader.scalar("<i4")  # the sequence it was saved from; restoring names its own
+        if reader.scalar("<u4") != 1:
+            return None
+        n = reader.scalar("<u4")
+        if n == 0:
+            return None
+        cells = reader.take(n * _CELL.itemsize).view(_CELL)
+        if not (cells["n_seq"] == 1).all():
+            return None
+        order = np.argsort(cells["pos"], kind="stable")
+        if not np.array_equal(cells["pos"][order], np.arange(n)):
+            return None
+        in_order = bool((order == np.arange(n)).all())
+        v_trans = reader.scalar("<u4")
+        n_layer = reader.scalar("<u4")
+        if v_trans not in (0, 1) or n_layer == 0:
+            return None
+        k_types, k_rows, k = [], [], []
+        for _ in range(n_layer):
+            k_types.append(reader.scalar("<i4"))
+            row = reader.scalar("<u8")
+            k_rows.append(row)
+            block = reader.take(n * row).reshape(n, row)
+            k.append(block if in_order else block[order])
+        v_types, v_rows, v_els, v_embd, v = [], [], [], [], []
+        for _ in range(n_layer):
+            v_types.append(reader.scalar("<i4"))
+            if v_trans:
+                el = reader.scalar("<u4")
+                embd = reader.scalar("<u4")
+                block = reader.take(embd * n * el).reshape(embd, n, el)
+                if not in_order:
+                    block = block[:, order]
+                v.append(block.reshape(embd, n * el))
+                v_els.append(el)
+                v_embd.append(embd)
+                v_rows.append(el * embd)
+            else:
+                row = reader.scalar("<u8")
+                block = reader.take(n * row).reshape(n, row)
+                v.append(block if in_order else block[order])
+                v_rows.append(row)
+                v_els.append(0)
+                v_embd.append(0)
+        if reader.offset != len(data):
+            return None
+    except ValueError:
+        return None
+    layout = KVLayout(
+        v_trans=bool(v_trans),
+        k_types=tuple(k_types),
+        k_row_bytes=tuple(k_rows),
+        v_types=tuple(v_types),
+        v_row_bytes=tuple(v_rows),
+        v_elem_bytes=tuple(v_els),
+        n_embd_v=tuple(v_embd),
+    )
+    return layout, KVSegment(data, n, tuple(k), tuple(v))
+
+
+def serialize_segments(layout: KVLayout, segments: list[KVSegment], seq_id: int = 0) -> Bytes:
+    """Assemble segments (consecutive, from position 0) into llama.cpp's per-sequence KV bytes.
+
+    The inverse of :func:`parse_seq_state`: one pass, each byte copied once into the new buffer.
+    """
+    n = sum(segment.n_tokens for segment in segments)
+    out = np.empty(layout.serialized_size(n), dtype=np.uint8)
+    head = out[:16].view("<u4")
+    head[:] = (SEQ_STATE_MAGIC, seq_id, 1, n)
+    if n == 0:
+        return out
+    offset = 16
+    cells = out[offset : offset + n * _CELL.itemsize].view(_CELL)
+    cells["pos"] = np.arange(n)
+    cells["n_seq"] = 1
+    cells["seq"] = seq_id
+    offset += n * _CELL.itemsize
+    out[offset : offset + 8].view("<u4")[:] = (int(layout.v_trans), layout.n_layer)
+    offset += 8
+    for i in range(layout.n_layer):
+        row = layout.k_row_bytes[i]
+        out[offset : offset + 4].view("<i4")[0] = layout.k_types[i]
+        out[offset + 4 : offset + 12].view("<u8")[0] = row
+        offset += 12
+        target = out[offset : offset + n * row].reshape(n, row)
+        start = 0
+        for segment in segments:
+            target[start : start + segment.n_tokens] = segment.k[i]
+            start += segment.n_tokens
+        offset += n * row
+    for i in range(layout.n_layer):
+        out[offset : offset + 4].view("<i4")[0] = layout.v_types[i]
+        if layout.v_trans:
+            el, embd = layout.v_elem_bytes[i], layout.n_embd_v[i]
+            out[offset + 4 : offset + 12].view("<u4")[:] = (el, embd)
+            offset += 12
+            target = out[offset : offset + embd * n * el].reshape(embd, n * el)
+            start = 0
+            for segment in segments:
+                width = segment.n_tokens * el
+                target[:, start : start + width] = segment.v[i]
+                start += width
+            offset += embd * n * el
+        else:
+            row = layout.v_row_bytes[i]
+            out[offset + 4 : offset + 12].view("<u8")[0] = row
+            offset += 12
+            target = out[offset : offset + n * row].reshape(n, row)
+            start = 0
+            for segment in segments:
+                target[start : start + segment.n_tokens] = segment.v[i]
+                start += segment.n_tokens
+            offset += n * row
+    assert offset == len(out)
+    return out

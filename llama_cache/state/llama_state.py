@@ -1,0 +1,214 @@
+"""LlamaState: a compact, shareable snapshot of one evaluated token sequence."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import numpy.typing as npt
+
+from llama_cache.caches.base import MemoryBlock
+from llama_cache.state.kv_layout import Bytes, KVLayout, KVSegment, parse_seq_state, serialize_segments
+
+
+class IncompatibleStateError(KeyError):
+    """A state cannot be restored here: made by another model or KV layout, or refused by llama.cpp.
+
+    It subclasses :class:`KeyError` so that a cache lookup that yields such a state is a miss for
+    llama-cpp-python's completion code, which treats ``KeyError`` as one.
+    """
+
+    def __str__(self) -> str:  # KeyError's repr-quoting is wrong for a message
+        return str(self.args[0]) if self.args else ""
+
+
+class LlamaState:
+    """The state of one sequence after evaluating ``tokens``: what a cache stores.
+
+    It holds the tokens, the logits row after the last token (so an exact repeat samples without a
+    decode), llama.cpp's per-sequence memory, the sampling seed and the fingerprint of the model that
+    made it. Transformer KV is held as :class:`~llama_cache.state.kv_layout.KVSegment`\\ s that
+    several states can share: a state extended from another owns only its new tokens' KV.
+    Other memory (recurrent, hybrid, unusual layouts) is held as opaque llama.cpp bytes.
+
+    States are immutable once made; share them freely between threads and caches.
+
+    The attribute names of llama-cpp-python's ``LlamaState`` are kept (``input_ids``, ``scores``,
+    ``n_tokens``, ``llama_state``, ``llama_state_size``, ``seed``) so code written for it reads ours.
+    """
+
+    __slots__ = ("tokens", "logits", "seed", "fingerprint", "_layout", "_segments", "_opaque")
+
+    def __init__(
+        self,
+        tokens: npt.NDArray[np.int32],
+        logits: npt.NDArray[np.float32] | None,
+        seed: int,
+        fingerprint: str,
+        *,
+        layout: KVLayout | None = None,
+        segments: tuple[KVSegment, ...] = (),
+        opaque: Bytes | None = None,
+    ) -> None:
+        if (layout is None) == (opaque is None):
+            raise ValueError("a state holds either a KV layout with segments or opaque bytes")
+        if layout is not None and sum(s.n_tokens for s in segments) != len(tokens):
+            raise ValueError("the KV segments do not cover the tokens")
+        self.tokens = tokens
+        self.logits = logits
+        self.seed = seed
+        self.fingerprint = fingerprint
+        self._layout = layout
+        self._segments = segments
+        self._opaque = opaque
+
+    @classmethod
+    def from_seq_bytes(
+        cls,
+        tokens: npt.NDArray[np.int32],
+        logits: npt.NDArray[np.float32] | None,
+        seed: int,
+        fingerprint: str,
+        seq_bytes: Bytes,
+        *,
+        parse: bool = True,
+    ) -> LlamaState:
+        """Make a state from llama.cpp's per-sequence bytes, parsing transformer KV when it can.
+
+        The state keeps views into ``seq_bytes`` (no copy): the caller hands the buffer over.
+        """
+        parsed = parse_seq_state(seq_bytes) if parse else None
+        if parsed is not None and parsed[1].n_tokens == len(tokens):
+            layout, segment = parsed
+            return cls(tokens, logits, seed, fingerprint, layout=layout, segments=(segment,))
+        return cls(tokens, logits, seed, fingerprint, opaque=seq_bytes)
+
+    # -- what it holds --------------------------------------------------------------------------
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def layout(self) -> KVLayout | None:
+        """The transformer KV layout, or None for opaque state."""
+        return self._layout
+
+    @property
+    def segments(self) -> tuple[KVSegment, ...]:
+        return self._segments
+
+    def seq_bytes(self, seq_id: int = 0) -> Bytes:
+        """llama.cpp's per-sequence bytes for this state, ready for ``llama_state_seq_set_data``.
+
+        Opaque states return their buffer; segmented ones are assembled (one copy).
+        """
+        if self._opaque is not None:
+            return self._opaque
+        assert self._layout is not None
+        return serialize_segments(self._layout, list(self._segments), seq_id)
+
+    def memory_blocks(self) -> list[MemoryBlock]:
+        """The buffers this state holds, for caches that charge shared buffers once."""
+        blocks: list[MemoryBlock] = [(id(self.tokens), int(self.tokens.nbytes))]
+        if self.logits is not None:
+            blocks.append((id(self.logits), int(self.logits.nbytes)))
+        if self._opaque is not None:
+            blocks.append((id(self._opaque), int(self._opaque.nbytes)))
+        for segment in self._segments:
+            blocks.append((id(segment.buffer), int(segment.buffer.nbytes)))
+        return blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this state holds (shared segment buffers counted in full, once each)."""
+        return sum(size for _, size in {identity: size for identity, size in self.memory_blocks()}.items())
+
+    def prefix(self, n_tokens: int, logits: npt.NDArray[np.float32] | None) -> LlamaState:
+        """The state of this state's first ``n_tokens`` tokens, sharing its KV (no copy).
+
+        Only segmented (transformer) states can be cut; ``logits`` must be the row after token
+        ``n_tokens - 1``, or None.
+
+        Raises:
+            ValueError: the state is opaque, or ``n_tokens`` is out of range.
+        """
+        if self._layout is None:
+            raise ValueError("opaque (recurrent or unrecognised) state cannot be cut")
+        if not 0 < n_tokens <= self.n_tokens:
+            raise ValueError(f"prefix length {n_tokens} outside 1..{self.n_tokens}")
+        return LlamaState(
+            self.tokens[:n_tokens],
+            logits,
+            self.seed,
+            self.fingerprint,
+            layout=self._layout,
+            segments=tuple(_head_segments(self._segments, n_tokens, self._layout)),
+        )
+
+    def extended(
+        self,
+        shared_tokens: int,
+        tokens: npt.NDArray[np.int32],
+        logits: npt.NDArray[np.float32] | None,
+        seed: int,
+        seq_bytes: Bytes,
+    ) -> LlamaState:
+        """A state for ``tokens`` whose first ``shared_tokens`` have this state's KV.
+
+        ``seq_bytes`` is llama.cpp's serialisation of the whole new sequence; only the KV of the new
+        positions is copied out of it, the rest is shared with this state. Falls back to a state
+        owning ``seq_bytes`` when the bytes do not parse into this state's layout.
+        """
+        parsed = parse_seq_state(seq_bytes)
+        if (
+            self._layout is None
+            or parsed is None
+            or parsed[0] != self._layout
+            or parsed[1].n_tokens != len(tokens)
+            or not 0 < shared_tokens <= min(self.n_tokens, len(tokens))
+        ):
+            return LlamaState.from_seq_bytes(tokens, logits, seed, self.fingerprint, seq_bytes)
+        layout, whole = parsed
+        segments = list(_head_segments(self._segments, shared_tokens, layout))
+        if len(tokens) > shared_tokens:
+            segments.append(whole.slice_copy(shared_tokens, layout))
+        return LlamaState(tokens, logits, seed, self.fingerprint, layout=layout, segments=tuple(segments))
+
+    # -- llama-cpp-python compatible names --------------------------------------------------------
+
+    @property
+    def input_ids(self) -> npt.NDArray[np.int32]:
+        return self.tokens
+
+    @property
+    def scores(self) -> npt.NDArray[np.float32]:
+        """The last logits row as a (1, n_vocab) array; (0, 0) when the state has none."""
+        if self.logits is None:
+            return np.zeros((0, 0), dtype=np.float32)
+        return self.logits.reshape(1, -1)
+
+    @property
+    def llama_state(self) -> bytes:
+        return self.seq_bytes().tobytes()
+
+    @property
+    def llama_state_size(self) -> int:
+        if self._opaque is not None:
+            return len(self._opaque)
+        assert self._layout is not None
+        return self._layout.serialized_size(self.n_tokens)
+
+    def __repr__(self) -> str:
+        kind = "opaque" if self._layout is None else f"{len(self._segments)} segment(s)"
+        return f"LlamaState(n_tokens={self.n_tokens}, {kind}, nbytes={self.nbytes})"
+
+
+def _head_segments(segments: tuple[KVSegment, ...], n_tokens: int, layout: KVLayout) -> Iterator[KVSegment]:
+    remaining = n_tokens
+    for segment in segments:
+        if remaining <= 0:
+            return
+        take = min(remaining, segment.n_tokens)
+        yield segment.head(take, layout)
+        remaining -= take

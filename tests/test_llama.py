@@ -1,0 +1,277 @@
+"""llama_cache.Llama on the real default model: compact states, partial reuse, exact hits, chats."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Iterator
+
+import llama_cpp
+import numpy as np
+import pytest
+
+from llama_cache import LlamaCache, LlamaRAMCache, default_model_path
+from llama_cache.llama import Llama
+from llama_cache.state.llama_state import LlamaState
+from llama_cache.state.llama_state import IncompatibleStateError
+
+pytestmark = pytest.mark.model
+
+DOCUMENT = (
+    "The llama is a domesticated South American camelid, widely used as a meat and pack animal by "
+    "Andean cultures since the pre-Columbian era. Llamas are social animals and live with others as a "
+    "herd. Their wool is soft and contains only a small amount of lanolin. Llamas can learn simple "
+    "tasks after a few repetitions. When using a pack, they can carry about 25 to 30% of their body "
+    "weight for 8 to 13 km. "
+)
+
+
+def _make(cache: object | None = None, n_batch: int = 512) -> Llama:
+    return Llama(
+        model_path=str(default_model_path()), n_ctx=2048, n_batch=n_batch, seed=0, verbose=False,
+        cache=cache,
+    )
+
+
+@pytest.fixture(scope="module")
+def cold() -> Iterator[Llama]:
+    """A model with no cache: the reference every cached result is compared with."""
+    model = _make()
+    yield model
+    model.close()
+
+
+def _greedy(llm: Llama, prompt: str | list[int], max_tokens: int = 12) -> str:
+    llm.reset()
+    result = llm.create_completion(prompt, max_tokens=max_tokens, temperature=0.0, seed=0)
+    return result["choices"][0]["text"]
+
+
+def _last_logits(llm: Llama) -> np.ndarray:
+    pointer = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return np.ctypeslib.as_array(pointer, shape=(llm.n_vocab(),)).copy()
+
+
+# -- exact hits, extensions, divergence --------------------------------------------------------------
+
+
+def test_exact_repeat_needs_no_decode_and_gives_the_cold_text(cold: Llama) -> None:
+    llm = _make(LlamaCache(capacity_bytes=1 << 30))
+    prompt = DOCUMENT + "Q: What do llamas carry?\nA:"
+    first = _greedy(llm, prompt)
+    assert llm.last_prompt_tokens_evaluated == len(llm.tokenize(prompt.encode()))
+    again = _greedy(llm, prompt)
+    assert llm.last_prompt_tokens_evaluated == 0
+    assert first == again == _greedy(cold, prompt)
+
+
+def test_extension_evaluates_only_the_suffix(cold: Llama) -> None:
+    llm = _make(LlamaCache(capacity_bytes=1 << 30))
+    prompt = llm.tokenize(DOCUMENT.encode())
+    _greedy(llm, prompt, max_tokens=4)
+    suffix = llm.tokenize(b"Q: Are llamas social?\nA:", add_bos=False)
+    text = _greedy(llm, prompt + suffix)
+    assert llm.last_prompt_tokens_evaluated == len(suffix)
+    assert text == _greedy(cold, prompt + suffix)
+
+
+def test_divergent_prompt_reuses_the_common_prefix_with_the_ram_cache(cold: Llama) -> None:
+    llm = _make(LlamaRAMCache(capacity_bytes=1 << 30))
+    base = llm.tokenize((DOCUMENT + "Q: How far can a llama walk with a pack?\nA:").encode())
+    _greedy(llm, base, max_tokens=4)
+    common = int(len(base) * 0.75)
+    divergent = base[:common] + llm.tokenize(b" Alpacas are smaller.\nQ: Which is bigger?\nA:", add_bos=False)
+    text = _greedy(llm, divergent)
+    assert llm.last_prompt_tokens_evaluated == len(divergent) - common
+    assert text == _greedy(cold, divergent)
+
+
+def test_prompts_longer_than_n_batch(cold: Llama) -> None:
+    llm = _make(LlamaCache(capacity_bytes=1 << 30), n_batch=64)
+    prompt = llm.tokenize((DOCUMENT * 2).encode())
+    assert len(prompt) > 3 * 64
+    _greedy(llm, prompt, max_tokens=4)
+    suffix = llm.tokenize(b"Q: Summarise in five words.\nA:", add_bos=False)
+    text = _greedy(llm, prompt + suffix)
+    assert llm.last_prompt_tokens_evaluated == len(suffix)
+    # The cold reference evaluates in chunks of 512; greedy text is robust to that.
+    assert text == _greedy(cold, prompt + suffix)
+
+
+@pytest.mark.parametrize("case", range(20))
+def test_varied_prompts_give_the_cold_text(cold: Llama, case: int) -> None:
+    """Twenty prompts of every kind: exact repeats, extensions and divergent prefixes."""
+    rng = np.random.default_rng(case)
+    trie = case % 2 == 1
+    llm = _make((LlamaCache if trie else LlamaRAMCache)(capacity_bytes=1 << 30))
+    sentences = DOCUMENT.split(". ")
+    order = rng.permutation(len(sentences))
+    base = ". ".join(sentences[i] for i in order) + f"\nQ: Tell me fact number {case}.\nA:"
+    tokens = llm.tokenize(base.encode())
+    _greedy(llm, tokens, max_tokens=6)
+    kind = case % 3
+    if kind == 0:
+        query = tokens
+    elif kind == 1:
+        query = tokens + llm.tokenize(b" Answer briefly.\nA:", add_bos=False)
+    else:
+        cut = int(rng.integers(len(tokens) // 2, len(tokens) - 2))
+        query = tokens[:cut] + llm.tokenize(b" In short:", add_bos=False)
+    text = _greedy(llm, query)
+    if trie and kind == 2:
+        # No cached key is a prefix of a divergent prompt: the trie cache misses.
+        assert llm.last_prompt_tokens_evaluated == len(query)
+    else:
+        assert llm.last_prompt_tokens_evaluated < len(query)
+    assert text == _greedy(cold, query)
+
+
+# -- exactness of the restored state -----------------------------------------------------------------
+
+
+def test_restored_state_gives_bit_identical_logits_to_a_same_chunk_cold_run() -> None:
+    llm = _make()
+    prompt = llm.tokenize(DOCUMENT.encode())
+    suffix = llm.tokenize(b"Q: What colour are llamas?", add_bos=False)
+    llm.eval(prompt)
+    state = llm.save_state()
+    llm.eval(suffix)
+    cold_logits = _last_logits(llm)
+
+    llm.reset()
+    llm.eval(llm.tokenize(b"Something else entirely, to overwrite the context."))
+    llm.reset()
+    llm.load_state(state)
+    assert llm.n_tokens == len(prompt)
+    llm.eval(suffix)
+    assert np.array_equal(_last_logits(llm), cold_logits)
+
+
+def test_state_owns_one_logits_row_and_the_sequence_kv() -> None:
+    llm = _make()
+    prompt = llm.tokenize(DOCUMENT.encode())
+    llm.eval(prompt)
+    state = llm.save_state()
+    assert isinstance(state, LlamaState)
+    assert state.n_tokens == len(prompt)
+    assert list(state.input_ids) == prompt
+    full = llama_cpp.llama_state_seq_get_size(llm._ctx.ctx, 0)
+    assert state.llama_state_size == full
+    assert state.nbytes <= 1.05 * full + state.tokens.nbytes + llm.n_vocab() * 4
+
+
+# -- chats -------------------------------------------------------------------------------------------
+
+QUESTIONS = {
+    "a": ["What is a llama?", "Where do they live?", "What do they eat?"],
+    "b": ["Name a colour.", "Name another one.", "Which is warmer?"],
+}
+
+
+def _chat_turns(llm: Llama) -> list[tuple[int, int, str, int]]:
+    """Two conversations interleaved on one model, as a server sees them.
+
+    Returns (turn, prompt tokens evaluated, reply, cache bytes after the turn) per reply.
+    """
+    histories = {name: [{"role": "system", "content": "Answer in one short sentence."}] for name in QUESTIONS}
+    results = []
+    for turn in range(3):
+        for name, questions in QUESTIONS.items():
+            histories[name].append({"role": "user", "content": questions[turn]})
+            reply = llm.create_chat_completion(histories[name], max_tokens=10, temperature=0.0, seed=0)
+            text = reply["choices"][0]["message"]["content"]
+            histories[name].append({"role": "assistant", "content": text})
+            size = llm.cache.cache_size if llm.cache is not None else 0
+            results.append((turn, getattr(llm, "last_prompt_tokens_evaluated", -1), text, size))
+    return results
+
+
+def test_interleaved_chats_evaluate_only_new_tokens_and_match_llama_cpp(cold: Llama) -> None:
+    llm = _make(LlamaCache(capacity_bytes=1 << 30))
+    results = _chat_turns(llm)
+    for turn, evaluated, _, _ in results:
+        if turn > 0:
+            # The new user message and the template's tags around it: never the history again.
+            assert evaluated <= 30, results
+    # Memory grows by the new tokens' KV, not by a copy of the whole conversation per turn.
+    bytes_per_token = llm.save_state().layout.bytes_per_token  # type: ignore[union-attr]
+    growth = np.diff([size for *_, size in results])
+    assert max(growth) < 60 * bytes_per_token + 4 * llm.n_vocab() * 4
+    # llama.cpp on CPU is not batch-invariant: a turn evaluated after a restored history can differ from
+    # a whole-prompt evaluation in a near tie. llama-cpp-python with its own cache evaluates in the very
+    # same chunks (restore the history, evaluate the rest), so its replies must match ours exactly.
+    reference = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=2048, seed=0, verbose=False)
+    reference.set_cache(llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=4 << 30))
+    expected = _chat_turns(reference)  # type: ignore[arg-type]
+    assert [text for _, _, text, _ in results] == [text for _, _, text, _ in expected]
+    reference.close()
+
+
+# -- trust: foreign states, bad input ----------------------------------------------------------------
+
+
+def test_a_state_from_another_model_is_a_logged_miss(caplog: pytest.LogCaptureFixture) -> None:
+    cache = LlamaCache(capacity_bytes=1 << 30)
+    llm = _make(cache)
+    prompt = llm.tokenize(DOCUMENT.encode())
+    _greedy(llm, prompt, max_tokens=2)
+    forged = []
+    for key in list(cache.keys()):
+        state = cache[key]
+        forged.append(
+            LlamaState(state.tokens, state.logits, state.seed, "another-model", layout=state.layout, segments=state.segments)
+        )
+        cache[key] = forged[-1]
+    with caplog.at_level(logging.WARNING, logger="llama_cache"):
+        _greedy(llm, prompt, max_tokens=2)
+    assert llm.last_prompt_tokens_evaluated > 0
+    assert "another model" in caplog.text
+    with pytest.raises(IncompatibleStateError):
+        llm.load_state(forged[0])
+
+
+def test_a_state_longer_than_the_context_is_refused() -> None:
+    big = _make()
+    big.eval(big.tokenize((DOCUMENT * 3).encode()))
+    state = big.save_state()
+    small = Llama(model_path=str(default_model_path()), n_ctx=128, seed=0, verbose=False)
+    with pytest.raises(IncompatibleStateError):
+        small.load_state(state)
+
+
+@pytest.mark.parametrize("bad", [[-1], [10**9], [1, 2, 49152]])
+def test_out_of_vocabulary_tokens_raise_value_error(bad: list[int]) -> None:
+    llm = _make()
+    with pytest.raises(ValueError):
+        llm.eval(bad)
+    with pytest.raises(ValueError):
+        llm.create_completion(bad, max_tokens=1)
+
+
+def test_non_int_tokens_raise_type_error() -> None:
+    llm = _make()
+    with pytest.raises(TypeError):
+        llm.eval([1.5])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        llm.eval("hello")  # type: ignore[arg-type]
+
+
+def test_bad_constructor_arguments() -> None:
+    with pytest.raises(ValueError):
+        Llama(model_path=str(default_model_path()), checkpoint_interval=0, verbose=False)
+    with pytest.raises(TypeError):
+        Llama(model_path=str(default_model_path()), cache={}, verbose=False)
+
+
+def test_the_prompt_state_is_cached_beside_prompt_and_completion() -> None:
+    cache = LlamaCache(capacity_bytes=1 << 30)
+    llm = _make(cache)
+    prompt = llm.tokenize(DOCUMENT.encode())
+    _greedy(llm, prompt, max_tokens=5)
+    lengths = sorted(len(key) for key in cache.keys())
+    assert lengths[0] == len(prompt)
+    assert lengths[1] > len(prompt)
+    # The two share the prompt's KV: the cache holds it once.
+    prompt_state = cache[prompt]
+    assert prompt_state.logits is not None
+    assert cache.cache_size < prompt_state.nbytes * 1.3 + ctypes.sizeof(ctypes.c_float) * llm.n_vocab()
