@@ -2,6 +2,7 @@
 
     llama-cache demo [--model PATH]     two interleaved chats, per-turn time to first token, with and
                                         without a cache plugged into a plain llama_cpp.Llama
+    llama-cache bench [--model PATH]    time to first token cold / llama-cpp-python's cache / ours
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--turns", type=int, default=3, help="turns per conversation (default 3)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens generated per turn (default 24)")
+    bench = commands.add_parser(
+        "bench",
+        parents=[model],
+        help="time to first token: cold, llama-cpp-python's cache, llama-cache (table + JSON)",
+    )
+    bench.add_argument("--prompt-tokens", type=int, default=1500, help="document length (default 1500)")
+    bench.add_argument("--turns", type=int, default=10, help="chat turns (default 10)")
+    bench.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON output")
     return parser
 
 
@@ -59,6 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.turns < 1 or args.max_tokens < 1:
             raise SystemExit("llama-cache: --turns and --max-tokens must be positive")
         return run_demo(_resolve_model(args.model), turns=args.turns, max_tokens=args.max_tokens)
+    if args.command == "bench":
+        from llama_cache.bench import run_bench
+
+        if args.prompt_tokens < 16 or args.turns < 1:
+            raise SystemExit("llama-cache: --prompt-tokens must be >= 16 and --turns positive")
+        return run_bench(_resolve_model(args.model), args.prompt_tokens, args.turns, args.out)
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands
 
 

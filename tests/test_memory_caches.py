@@ -113,3 +113,14 @@ def test_oversized_replacement_drops_the_old_state() -> None:
     cache[[1]] = _SharedBlocks(("huge", 1000))
     assert [1] not in cache
     assert cache.cache_size == 0
+
+
+def test_peek_reads_an_exact_key_without_touching_recency() -> None:
+    cache = LlamaRAMCache(capacity_bytes=10**6)
+    first, second = _SharedBlocks(("x", 1)), _SharedBlocks(("y", 1))
+    cache[[1, 2, 3]] = first
+    cache[[1, 2, 4]] = second
+    assert cache.peek([1, 2, 3]) is first
+    assert cache.peek([1, 2]) is None
+    assert cache[[1, 2, 9]] is second  # still the most recently used
+    assert cache.stats().hits == 1

@@ -137,6 +137,13 @@ class IndexedMemoryCache(BaseLlamaCache):
                 self._drop(victim)
                 self._evictions += 1
 
+    def peek(self, key: Sequence[int]) -> Any | None:
+        """The state stored under exactly ``key``, or None; changes neither recency nor counters."""
+        tokens = as_token_array(key)
+        with self._lock:
+            entry = self._index.get(tokens)
+            return None if entry is None else entry.value
+
     def __delitem__(self, key: Sequence[int]) -> None:
         """Remove the state stored under exactly ``key``.
 
