@@ -15,7 +15,6 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_cache import default_model_path
 from llama_cache.testing.tiny_models import TINY_ARCHITECTURES, write_tiny_model
 
 # (llama_model_is_recurrent, llama_model_is_hybrid) for each architecture.
@@ -41,21 +40,6 @@ TEXT = (
 OTHER_TEXT = "Quantum computers store information in qubits, which can be in a superposition of zero and one."
 CONTINUATION = " Visitors climb the spiral stairs to see the old lens up close."
 N_PREFIX = 200  # tokens evaluated before a state is saved
-
-
-@pytest.fixture(scope="session")
-def tokenizer_source() -> Path:
-    return default_model_path()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_paths(tmp_path_factory: pytest.TempPathFactory, tokenizer_source: Path) -> dict[str, Path]:
-    """All four tiny models, written once per session."""
-    directory = tmp_path_factory.mktemp("tiny_models")
-    return {
-        arch: write_tiny_model(arch, directory / f"tiny-{arch}.gguf", tokenizer_from=tokenizer_source)
-        for arch in TINY_ARCHITECTURES
-    }
 
 
 @pytest.fixture(params=TINY_ARCHITECTURES)
