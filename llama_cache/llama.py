@@ -11,6 +11,10 @@ with these differences:
 - When the best entry diverges from the prompt (``LlamaRAMCache``'s policy) it is restored and its KV
   cut back to the common prefix; only the rest is evaluated.
 - A state from another model or KV configuration is a cache miss (logged), never a wrong answer.
+- On recurrent and hybrid models, whose memory cannot be cut back, prefill saves checkpoints
+  (:class:`~llama_cache.checkpoints.HybridCheckpointCache`) every ``checkpoint_interval`` tokens and just
+  before a prompt's last token; a new prompt that leaves the live context's path resumes from the
+  latest checkpoint on its own path instead of evaluating everything again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import BaseLlamaCache
+from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
 from llama_cache.state.fingerprint import model_fingerprint
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 
@@ -41,9 +46,12 @@ class Llama(llama_cpp.Llama):
         *args, **kwargs: as ``llama_cpp.Llama``.
         cache: a prompt cache (any :class:`~llama_cache.BaseLlamaCache`), as if passed to
             ``set_cache``.
-        ctx_checkpoints: maximum recurrent/hybrid checkpoints kept (0 disables them).
+        ctx_checkpoints: maximum recurrent/hybrid checkpoints kept; 0 disables them: evaluations are
+            never split and no state is extracted (the single-turn fast path). Ignored for
+            transformer models, whose KV is cut back instead.
         checkpoint_interval: tokens between checkpoints during a long prefill (positive).
-        checkpoint_on_device: keep checkpoint tensors in llama.cpp's device buffers.
+        checkpoint_on_device: keep checkpoint tensors in llama.cpp's device buffers
+            (``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``; one checkpoint per sequence is then usable).
 
     Not thread-safe: like ``llama_cpp.Llama``, one instance serves one request at a time.
     """
@@ -89,6 +97,12 @@ class Llama(llama_cpp.Llama):
         self._pending_prompt_state: tuple[npt.NDArray[np.int32], LlamaState] | None = None
         self.last_prompt_tokens_evaluated = 0
         """Prompt tokens the last ``generate`` evaluated before its first token (0 on an exact hit)."""
+        self.checkpoints: HybridCheckpointCache | None = None
+        """Recurrent/hybrid models only: the checkpoints saved during prefill."""
+        if self._state_is_opaque:
+            self.checkpoints = HybridCheckpointCache(
+                self._ctx.ctx, max_checkpoints=self.ctx_checkpoints, on_device=self.checkpoint_on_device
+            )
         if cache is not None:
             self.set_cache(cache)
 
@@ -107,7 +121,29 @@ class Llama(llama_cpp.Llama):
         self._restored_logits = None
         self._base_valid = min(self._base_valid, self.n_tokens)
         self._evaluated_in_generate += len(tokens)
-        super().eval(tokens)
+        if self.checkpoints is None or self.ctx_checkpoints == 0:
+            super().eval(tokens)
+            return
+        start = done = self.n_tokens
+        for boundary in self._checkpoint_positions(start, start + len(tokens)):
+            super().eval(tokens[done - start : boundary - start])
+            done = boundary
+            self.checkpoints.save_checkpoint(boundary, self._input_ids[:boundary])
+        if done < start + len(tokens):
+            super().eval(tokens[done - start :])
+
+    def _checkpoint_positions(self, start: int, end: int) -> list[int]:
+        """Where an evaluation of positions start..end stops to save a checkpoint.
+
+        Every multiple of ``checkpoint_interval``, and, during a prompt's evaluation, the position just
+        before its last token: the next prompt of a chat shares everything up to there, and a checkpoint
+        at the very end could not be resumed from without logits.
+        """
+        interval = self.checkpoint_interval
+        positions = set(range((start // interval + 1) * interval, end + 1, interval))
+        if self._awaiting_first_sample and end == self._prompt_len and start < end - 1:
+            positions.add(end - 1)
+        return sorted(positions)
 
     def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Sequence[int] | None, None]:
         """As ``llama_cpp.Llama.generate``; also records the prompt's logits and evaluated tokens."""
@@ -116,7 +152,33 @@ class Llama(llama_cpp.Llama):
         self._prompt_logits = None
         self._evaluated_in_generate = 0
         self._awaiting_first_sample = True
+        if self.checkpoints is not None and kwargs.get("reset", True):
+            self._resume_recurrent_for(tokens)
         return (yield from super().generate(tokens, *args, **kwargs))
+
+    def _resume_recurrent_for(self, prompt: list[int]) -> None:
+        """Put a recurrent/hybrid context where llama-cpp-python's prefix reuse can continue ``prompt``.
+
+        Recurrent memory refuses to be cut back, so llama-cpp-python re-evaluates the whole prompt
+        whenever the live context is not a prefix of it. Here: keep a context that is one; else restore
+        the latest checkpoint on the prompt's path (leaving at least one token to evaluate, for logits);
+        else start from an empty context.
+        """
+        n = self.n_tokens
+        live = self.input_ids[:n]
+        head = np.asarray(prompt[:n], dtype=live.dtype)
+        if len(head) == n and np.array_equal(live, head) and (len(prompt) > n or not self._requires_eval):
+            return
+        assert self.checkpoints is not None
+        best = self.checkpoints.find_best_checkpoint(prompt[: len(prompt) - 1]) if prompt else None
+        if best is not None and self.checkpoints.restore_checkpoint(best):
+            self.input_ids[: best.pos] = prompt[: best.pos]
+            self.n_tokens = best.pos
+            self._requires_eval = True
+            self._forget_base()
+            return
+        if n > 0:
+            self.reset()
 
     def sample(self, *args: Any, idx: int | None = None, **kwargs: Any) -> int:
         """As ``llama_cpp.Llama.sample``; after an exact cache hit, samples from the stored logits.
@@ -140,6 +202,10 @@ class Llama(llama_cpp.Llama):
             self.last_prompt_tokens_evaluated = self._evaluated_in_generate
             if position == self._prompt_len - 1:
                 self._prompt_logits = self._last_logits.copy()
+                if self._state_is_opaque and self.cache is not None and not self._logits_all:
+                    # Recurrent state cannot be cut back later, so the prompt's complete state is
+                    # taken now, before generation moves it on.
+                    self._pending_prompt_state = (self._input_ids[: self.n_tokens].copy(), self._snapshot())
         return token
 
     def _sample_row(self, row: npt.NDArray[np.float32], *args: Any, **kwargs: Any) -> int:
@@ -192,6 +258,14 @@ class Llama(llama_cpp.Llama):
         """
         if self._logits_all:
             return super().save_state()  # type: ignore[return-value]
+        state = self._snapshot()
+        prompt_len = self._prompt_len
+        if self._prompt_logits is not None and 0 < prompt_len < state.n_tokens and state.layout is not None:
+            self._pending_prompt_state = (state.tokens[:prompt_len], state.prefix(prompt_len, self._prompt_logits))
+        return state
+
+    def _snapshot(self) -> LlamaState:
+        """The evaluated sequence as a state, sharing the KV of the state the context was built on."""
         n = self.n_tokens
         tokens = np.array(self._input_ids[:n], dtype=np.int32)
         tokens.setflags(write=False)
@@ -210,9 +284,6 @@ class Llama(llama_cpp.Llama):
                 tokens, logits, self._seed, self.fingerprint, seq_bytes, parse=not self._state_is_opaque
             )
         self._base, self._base_valid = state, n
-        prompt_len = self._prompt_len
-        if self._prompt_logits is not None and 0 < prompt_len < n and state.layout is not None:
-            self._pending_prompt_state = (tokens[:prompt_len], state.prefix(prompt_len, self._prompt_logits))
         return state
 
     def load_state(self, state: Any) -> None:
@@ -228,6 +299,8 @@ class Llama(llama_cpp.Llama):
         if not isinstance(state, LlamaState):
             self._forget_base()
             super().load_state(state)
+            if self.checkpoints is not None:
+                notify_memory_cleared(self._ctx.ctx)
             return
         if state.fingerprint != self.fingerprint:
             logger.warning("cache miss: state made by another model or configuration (%s, here %s)",
@@ -243,11 +316,15 @@ class Llama(llama_cpp.Llama):
         )
         if read != len(data):
             llama_cpp.llama_memory_clear(memory, True)
+            if self.checkpoints is not None:
+                notify_memory_cleared(self._ctx.ctx)
             self.n_tokens = 0
             self._requires_eval = True
             self._forget_base()
             logger.warning("cache miss: llama.cpp refused a %d-byte state (read %d)", len(data), read)
             raise IncompatibleStateError("llama.cpp refused the state")
+        if self.checkpoints is not None:
+            notify_seq_changed(self._ctx.ctx, _SEQ)
         n = state.n_tokens
         self.input_ids[:n] = state.tokens
         self.n_tokens = n
@@ -276,9 +353,14 @@ class Llama(llama_cpp.Llama):
             super().close()
 
     def reset(self) -> None:
-        """Forget the evaluated sequence (as ``llama_cpp.Llama.reset``); the prompt cache is kept."""
+        """Forget the evaluated sequence (as ``llama_cpp.Llama.reset``); the prompt cache is kept.
+
+        On recurrent and hybrid models the memory is cleared, and the checkpoints with it.
+        """
         super().reset()
         self._restored_logits = None
+        if self.checkpoints is not None:
+            notify_memory_cleared(self._ctx.ctx)
 
     # -- completions -------------------------------------------------------------------------------
 
