@@ -106,6 +106,11 @@ class Llama(llama_cpp.Llama):
         if cache is not None:
             self.set_cache(cache)
 
+    @property
+    def last_prompt_length(self) -> int:
+        """Tokens in the prompt of the last ``generate`` (the completion's prompt)."""
+        return self._prompt_len
+
     # -- evaluation and sampling -------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int]) -> None:

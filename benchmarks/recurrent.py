@@ -1,0 +1,129 @@
+"""Multi-turn chat on tiny recurrent and hybrid models: prompt tokens evaluated and time per turn.
+
+    tools/run python benchmarks/recurrent.py [--turns 6] [--history-tokens 2000]
+
+For each of the tiny ``lfm2`` (hybrid) and ``mamba`` (recurrent) models written by
+``llama_cache.testing.tiny_models``, a chat whose system message is a ~2,000-token document runs on one
+model kept between turns, side by side:
+
+- theirs: ``llama_cpp.Llama`` with ``llama_cpp.llama_cache.LlamaRAMCache``;
+- ours: ``llama_cache.Llama`` with ``llama_cache.LlamaRAMCache`` and checkpoints
+  (``ctx_checkpoints=16``, ``checkpoint_interval=512``).
+
+Target: from the second turn on, ours evaluates at most the tokens since the latest checkpoint on the
+new prompt's path (the bound is printed per turn). Prints a table and writes
+``benchmarks/results/recurrent.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+from tqdm import tqdm
+
+from llama_cache import LlamaRAMCache, default_model_path
+from llama_cache.checkpoints import HybridCheckpointCache
+from llama_cache.llama import Llama
+from llama_cache.measure import timed_chat_completion
+from llama_cache.testing.tiny_models import write_tiny_model
+
+ARCHITECTURES = ("lfm2", "mamba")
+INTERVAL = 512
+
+
+def _document(llm: llama_cpp.Llama, target_tokens: int) -> str:
+    sentences = []
+    index = 0
+    while len(llm.tokenize(" ".join(sentences).encode())) < target_tokens:
+        sentences.append(f"Entry {index}: the herd crossed pass number {index * 7 % 23} before dusk.")
+        index += 1
+    return " ".join(sentences)
+
+
+def _chat(llm: llama_cpp.Llama, document: str, turns: int, progress: tqdm) -> list[dict[str, Any]]:
+    history = [{"role": "system", "content": document}]
+    rows = []
+    for turn in range(turns):
+        history.append({"role": "user", "content": f"Question {turn + 1}: which pass came first?"})
+        before = _reusable_before(llm)
+        result = timed_chat_completion(llm, history, max_tokens=8, temperature=0.0, seed=0)
+        history.append({"role": "assistant", "content": result.text})
+        rows.append({
+            "turn": turn + 1,
+            "evaluated": result.prompt_tokens_evaluated,
+            "ttft_ms": result.ttft_s * 1000,
+            "total_ms": result.total_s * 1000,
+            "bound": _bound(llm, before) if before is not None else None,
+        })
+        progress.update(1)
+    return rows
+
+
+def _reusable_before(llm: llama_cpp.Llama) -> tuple[list[int], list[tuple[int, str]]] | None:
+    """What the next prompt could resume from: the live tokens and the checkpoints (pos, prefix hash)."""
+    if not isinstance(llm, Llama) or llm.checkpoints is None:
+        return None
+    live = [int(t) for t in llm.input_ids[: llm.n_tokens]]
+    return live, [(cp.pos, cp.hash_val) for cp in llm.checkpoints.checkpoints]
+
+
+def _bound(llm: Llama, before: tuple[list[int], list[tuple[int, str]]]) -> int:
+    """Prompt tokens after the furthest reusable point (live context or checkpoint) on the prompt's path."""
+    prompt = [int(t) for t in llm.input_ids[: llm.last_prompt_length]]
+    live, checkpoints = before
+    reusable = [pos for pos, digest in checkpoints
+                if pos < len(prompt) and HybridCheckpointCache._hash_prefix(prompt, pos) == digest]
+    if live and prompt[: len(live)] == live and len(live) < len(prompt):
+        reusable.append(len(live))
+    return len(prompt) - max(reusable, default=0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--history-tokens", type=int, default=2000)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/recurrent.json"))
+    args = parser.parse_args()
+
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as scratch, tqdm(
+        total=2 * len(ARCHITECTURES) * args.turns, desc="recurrent chat", unit="turn", leave=False
+    ) as progress:
+        for arch in ARCHITECTURES:
+            path = write_tiny_model(arch, Path(scratch) / f"{arch}.gguf", tokenizer_from=default_model_path())
+            common = {"model_path": str(path), "n_ctx": 4096, "seed": 0, "verbose": False}
+            theirs = llama_cpp.Llama(**common)
+            theirs.set_cache(llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=4 << 30))
+            ours = Llama(**common, cache=LlamaRAMCache(capacity_bytes=4 << 30), checkpoint_interval=INTERVAL)
+            document = _document(theirs, args.history_tokens)
+            started = time.perf_counter()
+            results[arch] = {
+                "theirs": _chat(theirs, document, args.turns, progress),
+                "ours": _chat(ours, document, args.turns, progress),
+                "checkpoints": len(ours.checkpoints or ()),
+                "seconds": time.perf_counter() - started,
+            }
+            theirs.close()
+            ours.close()
+
+    for arch, data in results.items():
+        print(f"\n{arch}: ~{args.history_tokens}-token history, model kept between turns")
+        print(f"{'turn':>4} {'theirs: evaluated':>18} {'ms':>8} {'ours: evaluated':>16} {'ms':>8} {'bound':>6}")
+        for mine, their in zip(data["ours"], data["theirs"]):
+            bound = "" if mine["bound"] is None else str(mine["bound"])
+            print(f"{mine['turn']:>4} {their['evaluated']:>18} {their['ttft_ms']:>8.0f} "
+                  f"{mine['evaluated']:>16} {mine['ttft_ms']:>8.0f} {bound:>6}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nJSON written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
