@@ -9,6 +9,8 @@ The public API, exported once here:
 - :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
   reuses partial prefixes and serves exact repeats without a decode; :class:`IncompatibleStateError`
   when a state belongs to another model.
+- :class:`HybridCheckpoint` and :class:`HybridCheckpointCache`: sequence-state checkpoints for recurrent
+  and hybrid models, whose memory cannot be cut back.
 - :class:`CacheStats`, the counters every cache's ``stats()`` returns.
 - :func:`default_model_path`, the embedded default model.
 """
@@ -17,6 +19,7 @@ from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.trie import LlamaTrieCache
+from llama_cache.checkpoints import HybridCheckpoint, HybridCheckpointCache
 from llama_cache.index import TrieNode
 from llama_cache.llama import Llama
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
@@ -26,6 +29,8 @@ LlamaCache = LlamaTrieCache
 __all__ = [
     "BaseLlamaCache",
     "CacheStats",
+    "HybridCheckpoint",
+    "HybridCheckpointCache",
     "IncompatibleStateError",
     "Llama",
     "LlamaCache",
