@@ -221,14 +221,19 @@ class Match(Generic[V]):
     """The result of a prefix lookup.
 
     Attributes:
-        key: The stored key that matched.
-        value: The value stored under ``key``.
-        common: Length of the common prefix of ``key`` and the query.
+        value: The value stored under the matched key.
+        common: Length of the common prefix of the matched key and the query.
+        node: The terminal node of the matched key (for :meth:`RadixIndex.touch_match`).
     """
 
-    key: tuple[int, ...]
     value: V
     common: int
+    node: TrieNode[V]
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The stored key that matched, rebuilt from the tree: O(len(key)), so only on demand."""
+        return self.node.key()
 
 
 class RadixIndex(Generic[V]):
@@ -310,7 +315,7 @@ class RadixIndex(Generic[V]):
         """The longest stored key that is a prefix of ``query`` (``query`` itself included).
 
         The empty key, when stored, is a prefix of every query. ``common`` equals ``len(key)``.
-        O(K) plus O(len(key)) to build the result; does not touch recency.
+        O(K); does not touch recency.
 
         Raises:
             TypeError, ValueError: ``query`` is not a valid token sequence (see :func:`as_token_array`).
@@ -334,7 +339,7 @@ class RadixIndex(Generic[V]):
                 found, depth = node, pos
         if found is None:
             return None
-        return Match(tuple(q[:depth].tolist()), cast(V, found.value), depth)
+        return Match(cast(V, found.value), depth, found)
 
     def longest_common_prefix(self, query: Tokens) -> Match[V] | None:
         """The stored key sharing the longest non-empty common prefix with ``query``.
@@ -344,7 +349,7 @@ class RadixIndex(Generic[V]):
         last) wins. ``common`` is the length of the shared prefix (>= 1). The empty query, or a query whose
         first token starts no stored key, gives None.
 
-        O(K) plus O(len(key)) to build the result: the answer is read off the MRU pointer of the deepest
+        O(K): the answer is read off the MRU pointer of the deepest
         point reached along the query path; does not touch recency.
 
         Raises:
@@ -369,7 +374,7 @@ class RadixIndex(Generic[V]):
             return None
         best = deepest.best
         assert best is not None  # a non-root subtree always holds a key
-        return Match(best.key(), cast(V, best.value), pos)
+        return Match(cast(V, best.value), pos, best)
 
     # ---------------------------------------------------------------------------------------- mutations
 
@@ -451,6 +456,13 @@ class RadixIndex(Generic[V]):
         if node is None or node.stamp == 0:
             raise KeyError(tuple(q.tolist()))
         self._mark_used(node)
+
+    def touch_match(self, match: Match[V]) -> None:
+        """Mark the key of ``match`` as the most recently used, without walking the key again. O(depth).
+
+        ``match`` must come from this index, with no removal or insertion since (which may reshape nodes).
+        """
+        self._mark_used(match.node)
 
     def remove(self, key: Tokens) -> V:
         """Remove ``key`` and return its value, restoring the tree's compressed shape.

@@ -302,13 +302,13 @@ def test_longest_prefix() -> None:
     assert index.longest_prefix([1, 2]) is None
     index.insert([1, 2], "a")
     index.insert([1, 2, 3, 4], "b")
-    assert index.longest_prefix([1, 2, 3]) == Match((1, 2), "a", 2)
-    assert index.longest_prefix([1, 2, 3, 4, 5]) == Match((1, 2, 3, 4), "b", 4)
+    assert as_triple(index.longest_prefix([1, 2, 3])) == ((1, 2), "a", 2)
+    assert as_triple(index.longest_prefix([1, 2, 3, 4, 5])) == ((1, 2, 3, 4), "b", 4)
     assert index.longest_prefix([1]) is None
     assert index.longest_prefix([]) is None
     index.insert([], "empty")
-    assert index.longest_prefix([9, 9]) == Match((), "empty", 0)
-    assert index.longest_prefix([]) == Match((), "empty", 0)
+    assert as_triple(index.longest_prefix([9, 9])) == ((), "empty", 0)
+    assert as_triple(index.longest_prefix([])) == ((), "empty", 0)
 
 
 def test_longest_common_prefix_and_recency() -> None:
@@ -317,20 +317,20 @@ def test_longest_common_prefix_and_recency() -> None:
     index.insert([1, 2, 5, 6], "b")
     index.insert([7], "c")
     # A tie at common == 2: the most recently used key wins; lookups do not change recency.
-    assert index.longest_common_prefix([1, 2, 9]) == Match((1, 2, 5, 6), "b", 2)
+    assert as_triple(index.longest_common_prefix([1, 2, 9])) == ((1, 2, 5, 6), "b", 2)
     assert index.get([1, 2, 3, 4]) == "a" and [1, 2, 3, 4] in index
     assert index.longest_prefix([1, 2, 3, 4]) is not None
-    assert index.longest_common_prefix([1, 2, 9]) == Match((1, 2, 5, 6), "b", 2)
+    assert as_triple(index.longest_common_prefix([1, 2, 9])) == ((1, 2, 5, 6), "b", 2)
     index.touch([1, 2, 3, 4])
-    assert index.longest_common_prefix([1, 2, 9]) == Match((1, 2, 3, 4), "a", 2)
-    assert index.longest_common_prefix([1]) == Match((1, 2, 3, 4), "a", 1)
+    assert as_triple(index.longest_common_prefix([1, 2, 9])) == ((1, 2, 3, 4), "a", 2)
+    assert as_triple(index.longest_common_prefix([1])) == ((1, 2, 3, 4), "a", 1)
     # Re-inserting makes a key most recently used.
     index.insert([1, 2, 5, 6], "b2")
-    assert index.longest_common_prefix([1, 2]) == Match((1, 2, 5, 6), "b2", 2)
+    assert as_triple(index.longest_common_prefix([1, 2])) == ((1, 2, 5, 6), "b2", 2)
     # The stored key may continue past the query or past the divergence point.
-    assert index.longest_common_prefix([1, 2, 3]) == Match((1, 2, 3, 4), "a", 3)
-    assert index.longest_common_prefix([1, 2, 3, 9, 9]) == Match((1, 2, 3, 4), "a", 3)
-    assert index.longest_common_prefix([7, 8]) == Match((7,), "c", 1)
+    assert as_triple(index.longest_common_prefix([1, 2, 3])) == ((1, 2, 3, 4), "a", 3)
+    assert as_triple(index.longest_common_prefix([1, 2, 3, 9, 9])) == ((1, 2, 3, 4), "a", 3)
+    assert as_triple(index.longest_common_prefix([7, 8])) == ((7,), "c", 1)
     # Nothing shared, or only the empty key: None.
     assert index.longest_common_prefix([8]) is None
     assert index.longest_common_prefix([]) is None
@@ -339,7 +339,7 @@ def test_longest_common_prefix_and_recency() -> None:
     # Removing the MRU key hands the tie back.
     index.remove([1, 2, 5, 6])
     index.touch([7])
-    assert index.longest_common_prefix([1, 2, 5]) == Match((1, 2, 3, 4), "a", 2)
+    assert as_triple(index.longest_common_prefix([1, 2, 5])) == ((1, 2, 3, 4), "a", 2)
 
 
 def test_none_values_and_replace() -> None:
@@ -393,8 +393,8 @@ def test_numpy_and_other_inputs() -> None:
     ]
     for form in forms:
         assert form in index
-    assert index.longest_prefix(range(5, 20)) == Match((5, 6, 7, 8), "a", 4)
-    assert index.longest_common_prefix(np.array([5, 6, 0], dtype=np.int16)) == Match((5, 6, 7, 8), "a", 2)
+    assert as_triple(index.longest_prefix(range(5, 20))) == ((5, 6, 7, 8), "a", 4)
+    assert as_triple(index.longest_common_prefix(np.array([5, 6, 0], dtype=np.int16))) == ((5, 6, 7, 8), "a", 2)
     assert index.longest_common_prefix(range(10, 0, -1)) is None
 
 
@@ -528,6 +528,16 @@ def test_long_shared_prefixes() -> None:
     match = index.longest_common_prefix(query)
     assert match is not None and match.value == 3 and match.common == 3100
     assert index.longest_prefix(query) is None
-    assert index.longest_common_prefix(prefix[:10]) == Match(
+    assert as_triple(index.longest_common_prefix(prefix[:10])) == (
         tuple(np.concatenate([prefix, tails[19]]).tolist()), 19, 10
     )
+
+
+def test_touch_match_marks_the_matched_key_most_recently_used() -> None:
+    index: RadixIndex[str] = RadixIndex()
+    index.insert([1, 2, 3], "a")
+    index.insert([1, 2, 4], "b")
+    match = index.longest_prefix([1, 2, 3, 7])
+    assert match is not None and match.value == "a"
+    index.touch_match(match)
+    assert as_triple(index.longest_common_prefix([1, 2, 9])) == ((1, 2, 3), "a", 2)

@@ -93,7 +93,7 @@ class IndexedMemoryCache(BaseLlamaCache):
             self._hits += 1
             entry = match.value
             self._lru.move_to_end(entry)
-            self._index.touch(entry.key)
+            self._index.touch_match(match)
             return entry.value
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
