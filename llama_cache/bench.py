@@ -100,6 +100,7 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> in
             progress.update(1)
         progress.update(1)
         entry_bytes = _entry_bytes(theirs_cache, ours_cache)
+        entry_bytes.update(_save_ms(theirs_llm, ours_llm))
         for title, prompt in scenarios:
             result = ScenarioResult(title, len(prompt))
             for setup in setups:
@@ -158,6 +159,20 @@ def _entry_bytes(theirs: Any, ours: LlamaRAMCache) -> dict[str, float]:
     }
 
 
+def _save_ms(theirs: llama_cpp.Llama, ours: Llama, repeats: int = 5) -> dict[str, float]:
+    """Median time of one ``save_state`` (what a completion pays before returning), each model as it is."""
+
+    def median_ms(llm: llama_cpp.Llama) -> float:
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            llm.save_state()
+            times.append((time.perf_counter() - started) * 1000)
+        return sorted(times)[len(times) // 2]
+
+    return {"theirs_save_ms": median_ms(theirs), "ours_save_ms": median_ms(ours)}
+
+
 def _print_table(results: list[ScenarioResult], chat: dict[str, Any], entry_bytes: dict[str, float], n: int) -> None:
     print(f"time to first token, {n}-token prompt (prompt tokens evaluated in brackets)\n")
     header = f"{'scenario':<28}{'cold':>18}{'llama-cpp-python':>20}{'llama-cache':>18}{'vs cold':>9}{'vs theirs':>11}"
@@ -174,4 +189,8 @@ def _print_table(results: list[ScenarioResult], chat: dict[str, Any], entry_byte
         f"\nbytes per cached entry: llama.cpp state {entry_bytes['llama_cpp_state_bytes'] / 2**20:.1f} MiB; "
         f"theirs {entry_bytes['theirs_bytes'] / 2**20:.1f} MiB ({entry_bytes['theirs_ratio']:.2f}x), "
         f"ours {entry_bytes['ours_bytes'] / 2**20:.1f} MiB ({entry_bytes['ours_ratio']:.2f}x)"
+    )
+    print(
+        f"saving a state after a completion: theirs {entry_bytes['theirs_save_ms']:.0f} ms, "
+        f"ours {entry_bytes['ours_save_ms']:.0f} ms"
     )

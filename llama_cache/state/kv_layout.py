@@ -231,34 +231,31 @@ def serialize_segments(layout: KVLayout, segments: list[KVSegment], seq_id: int 
         out[offset : offset + 4].view("<i4")[0] = layout.k_types[i]
         out[offset + 4 : offset + 12].view("<u8")[0] = row
         offset += 12
-        target = out[offset : offset + n * row].reshape(n, row)
-        start = 0
-        for segment in segments:
-            target[start : start + segment.n_tokens] = segment.k[i]
-            start += segment.n_tokens
+        _gather_rows(out[offset : offset + n * row].reshape(n, row), [s.k[i] for s in segments])
         offset += n * row
     for i in range(layout.n_layer):
         out[offset : offset + 4].view("<i4")[0] = layout.v_types[i]
+        parts = [s.v[i] for s in segments]
         if layout.v_trans:
             el, embd = layout.v_elem_bytes[i], layout.n_embd_v[i]
             out[offset + 4 : offset + 12].view("<u4")[:] = (el, embd)
             offset += 12
-            target = out[offset : offset + embd * n * el].reshape(embd, n * el)
-            start = 0
-            for segment in segments:
-                width = segment.n_tokens * el
-                target[:, start : start + width] = segment.v[i]
-                start += width
+            # Transposed V: one row per embedding dimension, each segment a run of columns.
+            _gather_rows(out[offset : offset + embd * n * el].reshape(embd, n * el).T, [p.T for p in parts])
             offset += embd * n * el
         else:
             row = layout.v_row_bytes[i]
             out[offset + 4 : offset + 12].view("<u8")[0] = row
             offset += 12
-            target = out[offset : offset + n * row].reshape(n, row)
-            start = 0
-            for segment in segments:
-                target[start : start + segment.n_tokens] = segment.v[i]
-                start += segment.n_tokens
+            _gather_rows(out[offset : offset + n * row].reshape(n, row), parts)
             offset += n * row
     assert offset == len(out)
     return out
+
+
+def _gather_rows(target: Bytes, parts: list[Bytes]) -> None:
+    """Copy ``parts`` one after another into the leading rows of ``target``."""
+    start = 0
+    for part in parts:
+        target[start : start + len(part)] = part
+        start += len(part)
