@@ -5,7 +5,8 @@ The public API, exported once here:
 - Caches with llama-cpp-python's contract (``cache[tokens]`` returns the best stored state or raises
   ``KeyError``): :class:`LlamaRAMCache` (longest common prefix), :class:`LlamaTrieCache` and its
   alias :class:`LlamaCache` (longest stored key that prefixes the query), on the base
-  :class:`BaseLlamaCache`; :class:`TrieNode` is the radix tree's node.
+  :class:`BaseLlamaCache`; :class:`TrieNode` is the radix tree's node. :class:`LlamaDiskCache` keeps
+  states on disk: persistent, crash-safe, shared by processes, namespaced by model.
 - :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
   reuses partial prefixes and serves exact repeats without a decode; :class:`IncompatibleStateError`
   when a state belongs to another model.
@@ -17,6 +18,7 @@ The public API, exported once here:
 
 from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
+from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.checkpoints import HybridCheckpoint, HybridCheckpointCache
@@ -34,6 +36,7 @@ __all__ = [
     "IncompatibleStateError",
     "Llama",
     "LlamaCache",
+    "LlamaDiskCache",
     "LlamaRAMCache",
     "LlamaState",
     "LlamaTrieCache",

@@ -3,6 +3,7 @@
     llama-cache demo [--model PATH]     two interleaved chats, per-turn time to first token, with and
                                         without a cache plugged into a plain llama_cpp.Llama
     llama-cache bench [--model PATH]    time to first token cold / llama-cpp-python's cache / ours
+    llama-cache inspect DIR [--check]   a disk cache's entries, sizes, models and hits; --fix repairs
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llama_cache._model import default_model_path
+from llama_cache.inspect import add_inspect_command, run_inspect
 
 
 def _model_parent() -> argparse.ArgumentParser:
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-tokens", type=int, default=1500, help="document length (default 1500)")
     bench.add_argument("--turns", type=int, default=10, help="chat turns (default 10)")
     bench.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON output")
+    add_inspect_command(commands, [])
     return parser
 
 
@@ -74,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.prompt_tokens < 16 or args.turns < 1:
             raise SystemExit("llama-cache: --prompt-tokens must be >= 16 and --turns positive")
         return run_bench(_resolve_model(args.model), args.prompt_tokens, args.turns, args.out)
+    if args.command == "inspect":
+        return run_inspect(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands
 
 

@@ -111,6 +111,17 @@ class Llama(llama_cpp.Llama):
         """Tokens in the prompt of the last ``generate`` (the completion's prompt)."""
         return self._prompt_len
 
+    def set_cache(self, cache: BaseLlamaCache | None) -> None:  # type: ignore[override]
+        """Use ``cache`` for prompt states (None: no cache).
+
+        A cache shared by several models that can restrict its lookups to one model
+        (``LlamaDiskCache.bind``) is bound to this model's fingerprint if it is not bound yet.
+        """
+        bind = getattr(cache, "bind", None)
+        if callable(bind) and getattr(cache, "fingerprint", "") is None:
+            bind(self.fingerprint)
+        super().set_cache(cache)
+
     # -- evaluation and sampling -------------------------------------------------------------------
 
     def eval(self, tokens: Sequence[int]) -> None:

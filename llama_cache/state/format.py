@@ -71,6 +71,18 @@ def encoded_size(parts: list[memoryview]) -> int:
     return sum(part.nbytes for part in parts)
 
 
+def stored_checksum(buffer: Any) -> int:
+    """The CRC-32 an encoded state records for its header and payload (the bytes after the prefix).
+
+    Raises:
+        CorruptStateError: ``buffer`` is shorter than the fixed prefix.
+    """
+    view = memoryview(buffer).cast("B")
+    if view.nbytes < PREFIX_SIZE:
+        raise CorruptStateError("truncated: shorter than the fixed prefix")
+    return int(_PREFIX.unpack_from(view, 0)[5])
+
+
 def decode(buffer: Any, *, verify: bool = True) -> LlamaState:
     """Decode a state from a bytes-like buffer (bytes, memoryview, mmap), without copying it.
 

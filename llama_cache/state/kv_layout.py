@@ -259,3 +259,14 @@ def _gather_rows(target: Bytes, parts: list[Bytes]) -> None:
     for part in parts:
         target[start : start + len(part)] = part
         start += len(part)
+
+
+def canonical_seq_id(data: Bytes, n_tokens: int) -> int | None:
+    """The sequence id for which ``data`` (parsed bytes of ``n_tokens`` cells) is already exactly what
+    :func:`serialize_segments` produces, or None: cells in position order, each of the recorded sequence.
+    """
+    seq_id = int(data[4:8].view("<i4")[0])
+    cells = data[16 : 16 + n_tokens * _CELL.itemsize].view(_CELL)
+    if np.array_equal(cells["pos"], np.arange(n_tokens)) and bool((cells["seq"] == seq_id).all()):
+        return seq_id
+    return None

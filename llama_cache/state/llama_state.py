@@ -8,7 +8,14 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import MemoryBlock
-from llama_cache.state.kv_layout import Bytes, KVLayout, KVSegment, parse_seq_state, serialize_segments
+from llama_cache.state.kv_layout import (
+    Bytes,
+    KVLayout,
+    KVSegment,
+    canonical_seq_id,
+    parse_seq_state,
+    serialize_segments,
+)
 
 
 class IncompatibleStateError(KeyError):
@@ -37,7 +44,7 @@ class LlamaState:
     ``n_tokens``, ``llama_state``, ``llama_state_size``, ``seed``) so code written for it reads ours.
     """
 
-    __slots__ = ("tokens", "logits", "seed", "fingerprint", "_layout", "_segments", "_opaque")
+    __slots__ = ("tokens", "logits", "seed", "fingerprint", "_layout", "_segments", "_opaque", "_canonical")
 
     def __init__(
         self,
@@ -61,6 +68,9 @@ class LlamaState:
         self._layout = layout
         self._segments = segments
         self._opaque = opaque
+        # llama.cpp's own bytes for this state, when they are exactly what serialising the segments would
+        # produce for the sequence id recorded in them: restoring then copies nothing.
+        self._canonical: tuple[Bytes, int] | None = None
 
     @classmethod
     def from_seq_bytes(
@@ -80,7 +90,11 @@ class LlamaState:
         parsed = parse_seq_state(seq_bytes) if parse else None
         if parsed is not None and parsed[1].n_tokens == len(tokens):
             layout, segment = parsed
-            return cls(tokens, logits, seed, fingerprint, layout=layout, segments=(segment,))
+            state = cls(tokens, logits, seed, fingerprint, layout=layout, segments=(segment,))
+            canonical_seq = canonical_seq_id(seq_bytes, len(tokens))
+            if canonical_seq is not None:
+                state._canonical = (seq_bytes, canonical_seq)
+            return state
         return cls(tokens, logits, seed, fingerprint, opaque=seq_bytes)
 
     # -- what it holds --------------------------------------------------------------------------
@@ -101,10 +115,13 @@ class LlamaState:
     def seq_bytes(self, seq_id: int = 0) -> Bytes:
         """llama.cpp's per-sequence bytes for this state, ready for ``llama_state_seq_set_data``.
 
-        Opaque states return their buffer; segmented ones are assembled (one copy).
+        Opaque states return their buffer, and so do states made from llama.cpp bytes already in
+        canonical form (cells in position order, of ``seq_id``); segmented ones are assembled (one copy).
         """
         if self._opaque is not None:
             return self._opaque
+        if self._canonical is not None and self._canonical[1] == seq_id:
+            return self._canonical[0]
         assert self._layout is not None
         return serialize_segments(self._layout, list(self._segments), seq_id)
 
