@@ -119,6 +119,16 @@ def test_a_new_instance_sees_entries_and_lru_order(open_cache: Any) -> None:
     assert [entry.hits for entry in second.entries()] == [1, 1, 0]  # 1, 3, 4
 
 
+def test_re_storing_a_key_keeps_its_hit_count(open_cache: Any) -> None:
+    cache = open_cache(write_behind=False)
+    cache[[1, 2]] = make_state([1, 2])
+    cache[[1, 2, 3]]
+    cache[[1, 2, 4]]
+    cache[[1, 2]] = make_state([1, 2])  # what a completion does after hitting its prompt's state
+    (entry,) = cache.entries()
+    assert entry.hits == 2
+
+
 def test_one_directory_serves_two_models_without_mixing_them(open_cache: Any) -> None:
     model_a = open_cache(fingerprint="model-a")
     model_b = open_cache(fingerprint="model-b")

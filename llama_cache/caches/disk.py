@@ -1046,12 +1046,18 @@ class LlamaDiskCache(BaseLlamaCache):
                             victims.append(entry)
                             total -= entry.size
                             evicted += 1
+                    # A replaced entry's hit count carries over: the same prompt is re-stored after
+                    # each completion that hit it.
+                    hits = 0
+                    if old is not None:
+                        row = conn.execute("SELECT hits FROM entries WHERE id = ?", (old.id,)).fetchone()
+                        hits = int(row[0]) if row is not None else 0
                     self._delete_rows(conn, victims)
                     cursor = conn.execute(
                         "INSERT INTO entries (namespace, key, key_hash, file, size, raw_size, codec, created, "
-                        "accessed, recency) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0)",
+                        "accessed, recency, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
                         (namespace, blob, _key_hash(blob), name, size, raw_size,
-                         "raw" if self.compress is None else "zlib", now, now),
+                         "raw" if self.compress is None else "zlib", now, now, hits),
                     )
                     entry_id = cursor.lastrowid
                     seq = conn.execute(
