@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from llama_cache.state import checksum
 from llama_cache.state.llama_state import LlamaState
 
 MAGIC = b"LLCSTATE"
@@ -71,25 +72,13 @@ def encoded_size(parts: list[memoryview]) -> int:
     return sum(part.nbytes for part in parts)
 
 
-def stored_checksum(buffer: Any) -> int:
-    """The CRC-32 an encoded state records for its header and payload (the bytes after the prefix).
-
-    Raises:
-        CorruptStateError: ``buffer`` is shorter than the fixed prefix.
-    """
-    view = memoryview(buffer).cast("B")
-    if view.nbytes < PREFIX_SIZE:
-        raise CorruptStateError("truncated: shorter than the fixed prefix")
-    return int(_PREFIX.unpack_from(view, 0)[5])
-
-
 def decode(buffer: Any, *, verify: bool = True) -> LlamaState:
     """Decode a state from a bytes-like buffer (bytes, memoryview, mmap), without copying it.
 
     Args:
         buffer: the encoded state; the returned state keeps views into it.
-        verify: check the CRC-32 (one pass over the payload). Only skip it for bytes this process
-            has just checked or written.
+        verify: check the CRC-32 (one pass over the payload, split between idle cores when large).
+            Only skip it for bytes this process has just checked or written.
 
     Raises:
         CorruptStateError: anything about the bytes is wrong.
@@ -107,7 +96,7 @@ def decode(buffer: Any, *, verify: bool = True) -> LlamaState:
         raise CorruptStateError(f"length {view.nbytes} does not match the recorded {end}")
     header_view = view[PREFIX_SIZE : PREFIX_SIZE + header_length]
     payload = view[PREFIX_SIZE + header_length : end]
-    if verify and zlib.crc32(payload, zlib.crc32(header_view)) != crc:
+    if verify and checksum.crc32(view[PREFIX_SIZE:end]) != crc:
         raise CorruptStateError("checksum mismatch")
     try:
         header = json.loads(bytes(header_view))
