@@ -12,7 +12,7 @@ Prints a table per section and writes ``benchmarks/results/disk.json``. Sections
    ``__getitem__`` pops the entry, so membership is what can be timed repeatedly; it scans every key).
    Also the time to open a directory holding that many entries (index rebuild) and the set-up time.
 2. **Throughput** for a real default-model state of ~1,500 tokens: ``cache[key] = state`` (synchronous,
-   with and without fsync) and ``cache[key]`` (mmap + CRC + decode), with the page cache hot and cold
+   with and without fsync) and ``cache[key]`` (mmap + checksum + decode), with the page cache hot and cold
    (``posix_fadvise(DONTNEED)``), against writing / reading the same bytes to / from a plain file in the
    same directory; the caller's stall with write-behind; zlib level 1 ratio and speed.
 3. **Time to first token** for that prompt when a freshly started process finds its state on disk,
@@ -280,7 +280,7 @@ def bench_throughput(state: Any, workdir: Path, repeat: int) -> dict[str, Any]:
 
     out["plain_read_mbps_hot"] = mb / median_time(plain_read, repeat)
     out["ours_load_mbps_hot"] = mb / median_time(ours_read, repeat)
-    # Without the CRC pass a load only maps the file: llama.cpp then reads the pages in place.
+    # Without the checksum pass a load only maps the file: llama.cpp then reads the pages in place.
     cache.verify = False
     out["ours_load_noverify_mbps_hot"] = mb / median_time(ours_read, repeat)
     cache.verify = True

@@ -25,7 +25,6 @@ import pytest
 from llama_cache.caches import disk
 from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.inspect import add_inspect_command, run_inspect
-from llama_cache.state import checksum
 from llama_cache.state.format import encode, encoded_size
 from llama_cache.state.llama_state import LlamaState
 from tests.cache_contract import CacheContract
@@ -231,23 +230,6 @@ def test_loaded_states_serve_llama_cpp_bytes_from_the_mapping(open_cache: Any, s
     head = loaded.prefix(20, None)
     assert np.array_equal(head.seq_bytes(0), original.prefix(20, None).seq_bytes(0))
     assert np.array_equal(loaded.logits, original.logits)
-
-
-@pytest.mark.parametrize("sizes", [(0, 5), (1, 0), (7, 65_537), (1_000_003, 3_000_001), (4096, 1)])
-def test_crc32_combination_matches_zlib(sizes: tuple[int, int]) -> None:
-    import zlib
-
-    a, b = os.urandom(sizes[0]), os.urandom(sizes[1])
-    assert checksum.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-
-
-def test_large_payloads_are_checksummed_by_several_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    import zlib
-
-    monkeypatch.setattr(checksum, "_idle_cores", lambda: 3)
-    monkeypatch.setattr(checksum, "_CRC_THREADS", 4)
-    data = memoryview(os.urandom((16 << 20) + 12_345))
-    assert checksum.crc32(data) == zlib.crc32(data)
 
 
 # -- damage --------------------------------------------------------------------------------------

