@@ -163,6 +163,7 @@ def _entry_bytes(theirs: Any, ours: LlamaRAMCache) -> dict[str, float]:
     (their_state,) = theirs.cache_state.values()
     their_owned = sum(size for _, size in memory_blocks(their_state))
     ours_longest = ours.peek(max(ours.keys(), key=len))  # no lookup: it would change recency
+    assert ours_longest is not None
     return {
         "llama_cpp_state_bytes": float(their_state.llama_state_size),
         "theirs_bytes": float(their_owned),

@@ -225,7 +225,7 @@ class Llama(llama_cpp.Llama):
         return token
 
     def _sample_row(self, row: npt.NDArray[np.float32], *args: Any, **kwargs: Any) -> int:
-        sampler = self._sampler
+        sampler: Any = self._sampler
         temporary = sampler is None
         if temporary:
             names = (

@@ -1061,6 +1061,7 @@ class LlamaDiskCache(BaseLlamaCache):
                     seq = conn.execute(
                         "INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_ADD, entry_id)
                     ).lastrowid
+                    assert entry_id is not None and seq is not None  # set by every INSERT
                     conn.execute("UPDATE entries SET recency = ? WHERE id = ?", (seq, entry_id))
                     self._maybe_trim(conn, seq)
             except sqlite3.Error as error:

@@ -177,10 +177,10 @@ def parse_seq_state(data: Bytes) -> tuple[KVLayout, KVSegment] | None:
             if v_trans:
                 el = reader.scalar("<u4")
                 embd = reader.scalar("<u4")
-                block = reader.take(embd * n * el).reshape(embd, n, el)
+                cube = reader.take(embd * n * el).reshape(embd, n, el)
                 if not in_order:
-                    block = block[:, order]
-                v.append(block.reshape(embd, n * el))
+                    cube = cube[:, order]
+                v.append(cube.reshape(embd, n * el))
                 v_els.append(el)
                 v_embd.append(embd)
                 v_rows.append(el * embd)
