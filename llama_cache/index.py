@@ -444,6 +444,14 @@ class RadixIndex(Generic[V]):
         self._mark_used(node)
         return old
 
+    def _terminal(self, key: Tokens) -> TrieNode[V]:
+        """The node where the stored ``key`` ends. O(K). Raises KeyError when ``key`` is not stored."""
+        q = as_token_array(key)
+        node = self._find(q)
+        if node is None or node.stamp == 0:
+            raise KeyError(tuple(q.tolist()))
+        return node
+
     def touch(self, key: Tokens) -> None:
         """Mark ``key`` as the most recently used key. O(K).
 
@@ -451,11 +459,7 @@ class RadixIndex(Generic[V]):
             KeyError: ``key`` is not stored.
             TypeError, ValueError: ``key`` is not a valid token sequence (see :func:`as_token_array`).
         """
-        q = as_token_array(key)
-        node = self._find(q)
-        if node is None or node.stamp == 0:
-            raise KeyError(tuple(q.tolist()))
-        self._mark_used(node)
+        self._mark_used(self._terminal(key))
 
     def touch_match(self, match: Match[V]) -> None:
         """Mark the key of ``match`` as the most recently used, without walking the key again. O(depth).
@@ -476,10 +480,7 @@ class RadixIndex(Generic[V]):
             KeyError: ``key`` is not stored.
             TypeError, ValueError: ``key`` is not a valid token sequence (see :func:`as_token_array`).
         """
-        q = as_token_array(key)
-        node = self._find(q)
-        if node is None or node.stamp == 0:
-            raise KeyError(tuple(q.tolist()))
+        node = self._terminal(key)
         value = cast(V, node.value)
         node.value = None
         node.stamp = 0
