@@ -364,7 +364,10 @@ class Llama(llama_cpp.Llama):
         self._restored_logits = None
 
     def close(self) -> None:
-        """Free the model and context (as ``llama_cpp.Llama.close``)."""
+        """Free the model and context (as ``llama_cpp.Llama.close``); the checkpoints go first."""
+        checkpoints = getattr(self, "checkpoints", None)
+        if checkpoints is not None:
+            checkpoints.close()  # it borrows the context about to be freed
         if hasattr(self, "_stack"):  # a constructor that raised early never built one
             super().close()
 

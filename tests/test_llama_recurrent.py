@@ -163,3 +163,15 @@ def test_ram_cache_longer_entry_falls_back_cleanly_on_recurrent_memory(tiny_mode
     text = _greedy(llm, shorter)
     cold = _make(tiny_model_paths["mamba"], ctx_checkpoints=0)
     assert text == _greedy(cold, shorter)
+
+
+def test_closing_the_model_closes_its_checkpoints(tiny_model_paths: dict[str, Path]) -> None:
+    llm = _make(tiny_model_paths["lfm2"])
+    llm.eval(llm.tokenize(DOCUMENT.encode()))
+    checkpoints = llm.checkpoints
+    assert checkpoints is not None and len(checkpoints) > 0
+    best = checkpoints.find_best_checkpoint(llm.tokenize(DOCUMENT.encode()))
+    assert best is not None
+    llm.close()
+    assert checkpoints.closed
+    assert not checkpoints.restore_checkpoint(best)
