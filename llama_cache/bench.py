@@ -76,8 +76,8 @@ def _request(setup: Setup, prompt: list[int]) -> tuple[float, int]:
     return result.ttft_s * 1000, result.prompt_tokens_evaluated
 
 
-def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> int:
-    """Run every scenario, print a table and write JSON to ``out``; returns the exit status."""
+def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> str:
+    """Run every scenario, write JSON to ``out`` and return the report (a table)."""
     common = {"model_path": str(model_path), "n_ctx": 4096, "n_batch": 512, "seed": 0, "verbose": False}
     theirs_cache = llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=8 << 30)
     ours_cache = LlamaRAMCache(capacity_bytes=8 << 30)
@@ -124,7 +124,7 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> in
             results.append(result)
         chat = {setup.name: _chat(setup, turns, progress) for setup in setups}
 
-    _print_table(results, chat, entry_bytes, len(document))
+    report = _report(results, chat, entry_bytes, len(document))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": model_path.name,
@@ -134,8 +134,7 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> in
         "chat": chat,
         "bytes_per_entry": entry_bytes,
     }, indent=2))
-    print(f"\nJSON written to {out}")
-    return 0
+    return f"{report}\n\nJSON written to {out}"
 
 
 def _chat(setup: Setup, turns: int, progress: tqdm) -> dict[str, Any]:
@@ -187,24 +186,26 @@ def _save_ms(theirs: llama_cpp.Llama, ours: Llama, repeats: int = 5) -> dict[str
     return {"theirs_save_ms": median_ms(theirs), "ours_save_ms": median_ms(ours)}
 
 
-def _print_table(results: list[ScenarioResult], chat: dict[str, Any], entry_bytes: dict[str, float], n: int) -> None:
-    print(f"time to first token, {n}-token prompt, median of 3 variants (prompt tokens evaluated in brackets)\n")
+def _report(results: list[ScenarioResult], chat: dict[str, Any], entry_bytes: dict[str, float], n: int) -> str:
+    lines: list[str] = []
+    lines.append(f"time to first token, {n}-token prompt, median of 3 variants (prompt tokens evaluated in brackets)\n")
     header = f"{'scenario':<28}{'cold':>18}{'llama-cpp-python':>20}{'llama-cache':>18}{'vs cold':>9}{'vs theirs':>11}"
-    print(header)
-    print("-" * len(header))
+    lines.append(header)
+    lines.append("-" * len(header))
     for r in results:
         cells = [f"{r.ttft_ms[s]:8.0f} ms ({r.evaluated[s]:>4})" for s in ("cold", "theirs", "ours")]
-        print(f"{r.scenario:<28}{cells[0]:>18}{cells[1]:>20}{cells[2]:>18}"
+        lines.append(f"{r.scenario:<28}{cells[0]:>18}{cells[1]:>20}{cells[2]:>18}"
               f"{r.ttft_ms['cold'] / r.ttft_ms['ours']:>8.1f}x{r.ttft_ms['theirs'] / r.ttft_ms['ours']:>10.1f}x")
-    print(f"\n{len(chat['ours']['evaluated_per_turn'])}-turn chat (model reset between turns): prompt tokens evaluated per turn")
+    lines.append(f"\n{len(chat['ours']['evaluated_per_turn'])}-turn chat (model reset between turns): prompt tokens evaluated per turn")
     for name in ("cold", "theirs", "ours"):
-        print(f"  {name:<7} {chat[name]['evaluated_per_turn']}  total {chat[name]['total_s']:.2f} s")
-    print(
+        lines.append(f"  {name:<7} {chat[name]['evaluated_per_turn']}  total {chat[name]['total_s']:.2f} s")
+    lines.append(
         f"\nbytes per cached entry: llama.cpp state {entry_bytes['llama_cpp_state_bytes'] / 2**20:.1f} MiB; "
         f"theirs {entry_bytes['theirs_bytes'] / 2**20:.1f} MiB ({entry_bytes['theirs_ratio']:.2f}x), "
         f"ours {entry_bytes['ours_bytes'] / 2**20:.1f} MiB ({entry_bytes['ours_ratio']:.2f}x)"
     )
-    print(
+    lines.append(
         f"saving a state after a completion: theirs {entry_bytes['theirs_save_ms']:.0f} ms, "
         f"ours {entry_bytes['ours_save_ms']:.0f} ms"
     )
+    return "\n".join(lines)

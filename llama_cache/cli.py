@@ -69,13 +69,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.turns < 1 or args.max_tokens < 1:
             raise SystemExit("llama-cache: --turns and --max-tokens must be positive")
-        return run_demo(_resolve_model(args.model), turns=args.turns, max_tokens=args.max_tokens)
+        print(run_demo(_resolve_model(args.model), turns=args.turns, max_tokens=args.max_tokens))
+        return 0
     if args.command == "bench":
         from llama_cache.bench import run_bench
 
         if args.prompt_tokens < 16 or args.turns < 1:
             raise SystemExit("llama-cache: --prompt-tokens must be >= 16 and --turns positive")
-        return run_bench(_resolve_model(args.model), args.prompt_tokens, args.turns, args.out)
+        print(run_bench(_resolve_model(args.model), args.prompt_tokens, args.turns, args.out))
+        return 0
     if args.command == "inspect":
         return run_inspect(args)
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands

@@ -62,8 +62,8 @@ def run_chats(llm: llama_cpp.Llama, turns: int, max_tokens: int, progress: tqdm)
     return results
 
 
-def run_demo(model_path: Path, turns: int, max_tokens: int) -> int:
-    """Run the demo on ``model_path`` and print a per-turn table; returns the exit status.
+def run_demo(model_path: Path, turns: int, max_tokens: int) -> str:
+    """Run the demo on ``model_path`` and return its report: a per-turn table and totals.
 
     Three runs of the same conversations: a plain ``llama_cpp.Llama`` without a cache, the same with
     :class:`LlamaTrieCache` plugged in through ``set_cache``, and :class:`llama_cache.Llama` with one.
@@ -86,29 +86,30 @@ def run_demo(model_path: Path, turns: int, max_tokens: int) -> int:
         ours.close()
 
     names = list(runs)
-    print(f"model: {model_path.name}   {len(CONVERSATIONS)} interleaved conversations, {turns} turns each")
-    print("time to first token in ms (prompt tokens evaluated)\n")
+    lines: list[str] = []
+    lines.append(f"model: {model_path.name}   {len(CONVERSATIONS)} interleaved conversations, {turns} turns each")
+    lines.append("time to first token in ms (prompt tokens evaluated)\n")
     header = f"{'conv':<5}{'turn':>5}" + "".join(f"{name:>22}" for name in names) + "  same text"
-    print(header)
-    print("-" * len(header))
+    lines.append(header)
+    lines.append("-" * len(header))
     for row in zip(*runs.values()):
         cells = "".join(f"{r.timing.ttft_s * 1000:>13.0f} ({r.timing.prompt_tokens_evaluated:>5})" for r in row)
         same = "yes" if len({r.timing.text for r in row}) == 1 else "no"
-        print(f"{row[0].conversation:<5}{row[0].turn:>5}{cells}  {same}")
+        lines.append(f"{row[0].conversation:<5}{row[0].turn:>5}{cells}  {same}")
     cached_agree = all(a.timing.text == b.timing.text for a, b in zip(runs["LlamaCache"], runs["llama_cache.Llama"]))
     if any(len({r.timing.text for r in row}) > 1 for row in zip(*runs.values())):
-        print(
+        lines.append(
             "\n(llama.cpp on CPU is not batch-invariant: a prompt evaluated in other chunks can flip a "
             "near tie between two tokens. Both cached runs evaluate in the same chunks; they "
             + ("agree." if cached_agree else "differ too.")
             + ")"
         )
     totals = {name: sum(r.timing.ttft_s for r in results) for name, results in runs.items()}
-    print("\ntotal time to first token: " + ", ".join(f"{name} {total:.2f} s" for name, total in totals.items()))
+    lines.append("\ntotal time to first token: " + ", ".join(f"{name} {total:.2f} s" for name, total in totals.items()))
     for name, cache in (("LlamaCache on llama_cpp.Llama", plain_cache), ("llama_cache.Llama", ours_cache)):
         stats = cache.stats()
-        print(
+        lines.append(
             f"{name}: {stats.entries} entries, {stats.bytes / 2**20:.1f} MiB, "
             f"{stats.hits} hits, {stats.misses} misses"
         )
-    return 0
+    return "\n".join(lines)
