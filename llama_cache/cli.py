@@ -79,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(run_bench(_resolve_model(args.model), args.prompt_tokens, args.turns, args.out))
         return 0
     if args.command == "inspect":
-        return run_inspect(args)
+        status, report = run_inspect(args)
+        print(report, file=sys.stderr if status == 2 else sys.stdout)
+        return status
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands
 
 

@@ -5,17 +5,17 @@
     llama-cache inspect DIR --fix [--grace SECONDS]      ... and remove what is broken
 
 Wired into :mod:`llama_cache.cli` by :func:`add_inspect_command`; :func:`run_inspect` does the work
-through :class:`~llama_cache.caches.disk.LlamaDiskCache`'s public methods.
+through :class:`~llama_cache.caches.disk.LlamaDiskCache`'s public methods and returns the report, which
+the CLI prints.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from llama_cache.caches.disk import INDEX_FILE, CheckReport, DiskEntry, LlamaDiskCache
 
@@ -55,34 +55,27 @@ def add_inspect_command(
     parser.add_argument(
         "--limit", type=int, default=None, metavar="N", help="list only the N most recently used entries"
     )
-    parser.set_defaults(handler=run_inspect)
     return parser
 
 
-def run_inspect(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """Run ``llama-cache inspect`` with parsed arguments.
+def run_inspect(args: argparse.Namespace) -> tuple[int, str]:
+    """Run ``llama-cache inspect`` with parsed arguments; the caller prints the report.
 
     Returns:
-        0 when the cache is fine (or was fixed), 1 when ``--check`` found entries that could hurt, 2
-        when ``DIR`` holds no disk cache.
+        The exit status and the report. Status 0 when the cache is fine (or was fixed), 1 when
+        ``--check`` found entries that could hurt, 2 when ``DIR`` holds no disk cache (the report is
+        then the error message).
     """
-    out = sys.stdout if out is None else out
     cache_dir: Path = args.cache_dir
     if not (cache_dir / INDEX_FILE).is_file():
-        print(f"llama-cache inspect: no disk cache in {cache_dir} (no {INDEX_FILE})", file=sys.stderr)
-        return 2
-    check = bool(args.check or args.fix)
+        return 2, f"llama-cache inspect: no disk cache in {cache_dir} (no {INDEX_FILE})"
     with LlamaDiskCache(cache_dir, write_behind=False) as cache:
-        entries = cache.entries()
-        print(f"disk cache {cache_dir}", file=out)
-        print(format_entries(entries, limit=args.limit), file=out)
-        if not check:
-            return 0
+        lines = [f"disk cache {cache_dir}", format_entries(cache.entries(), limit=args.limit)]
+        if not (args.check or args.fix):
+            return 0, "\n".join(lines)
         report = cache.check(fix=bool(args.fix), deep=bool(args.deep), grace_seconds=float(args.grace))
-        print(format_report(report), file=out)
-    if report.problems and not args.fix:
-        return 1
-    return 0
+    lines.append(format_report(report))
+    return (1 if report.problems and not args.fix else 0), "\n".join(lines)
 
 
 def format_entries(entries: Sequence[DiskEntry], limit: int | None = None) -> str:
@@ -173,15 +166,3 @@ def _human(size: int) -> str:
 
 def _when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the sub-command on its own (``python -m llama_cache.inspect DIR``)."""
-    parser = argparse.ArgumentParser(prog="llama-cache")
-    add_inspect_command(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
-    return run_inspect(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

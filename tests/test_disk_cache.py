@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import io
 import json
 import logging
 import os
@@ -555,29 +554,26 @@ def test_fork_and_exit_drain_pending_writes(tmp_path: Path) -> None:
 # -- the inspect command ---------------------------------------------------------------------------
 
 
-def test_inspect_lists_entries_and_checks(open_cache: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_lists_entries_and_checks(open_cache: Any) -> None:
     cache = open_cache(write_behind=False)
     cache[[1, 2, 3]] = make_state([1, 2, 3], 2048, fingerprint="model-a")
     cache[[4]] = make_state([4], 1000, fingerprint="model-b")
     cache[[1, 2, 3]]
     parser = argparse.ArgumentParser()
     add_inspect_command(parser.add_subparsers(dest="command"), [])
-    out = io.StringIO()
-    assert run_inspect(parser.parse_args(["inspect", str(cache.cache_dir), "--check"]), out=out) == 0
-    text = out.getvalue()
+    status, text = run_inspect(parser.parse_args(["inspect", str(cache.cache_dir), "--check"]))
+    assert status == 0
     lines = text.splitlines()
     assert lines[1].split() == ["#", "tokens", "size", "codec", "namespace", "hits", "last", "access", "created"]
     assert lines[3].split()[:6] == ["1", "3", "2.1", "KiB", "raw", "model-a"]  # most recently used first
     assert "total: 2 entries" in text and "2 namespace(s)" in text and "no problem found" in text
     _file_of(cache, 1).unlink()
-    out = io.StringIO()
-    assert run_inspect(parser.parse_args(["inspect", str(cache.cache_dir), "--check"]), out=out) == 1
-    assert "1 entries whose file is missing" in out.getvalue()
-    out = io.StringIO()
-    assert run_inspect(parser.parse_args(["inspect", str(cache.cache_dir), "--fix"]), out=out) == 0
-    assert "removed 1 entries" in out.getvalue() and len(cache) == 1
-    assert run_inspect(parser.parse_args(["inspect", str(cache.cache_dir / "nowhere")])) == 2
-    assert "no disk cache" in capsys.readouterr().err
+    status, text = run_inspect(parser.parse_args(["inspect", str(cache.cache_dir), "--check"]))
+    assert status == 1 and "1 entries whose file is missing" in text
+    status, text = run_inspect(parser.parse_args(["inspect", str(cache.cache_dir), "--fix"]))
+    assert status == 0 and "removed 1 entries" in text and len(cache) == 1
+    status, text = run_inspect(parser.parse_args(["inspect", str(cache.cache_dir / "nowhere")]))
+    assert status == 2 and "no disk cache" in text
 
 
 # -- a real model ----------------------------------------------------------------------------------
