@@ -16,6 +16,8 @@ The public API, exported once here:
 - :func:`default_model_path`, the embedded default model.
 """
 
+import logging
+
 from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.disk import LlamaDiskCache
@@ -27,6 +29,10 @@ from llama_cache.llama import Llama
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 
 LlamaCache = LlamaTrieCache
+
+# The library never prints: without this, an application that configured no logging would get our
+# warnings on stderr through logging's last-resort handler.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "BaseLlamaCache",

@@ -24,7 +24,7 @@ from typing import Any
 import llama_cpp
 from tqdm import tqdm
 
-from llama_cache.caches.base import memory_blocks
+from llama_cache.state.memory import memory_blocks
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.llama import Llama
 from llama_cache.measure import timed_chat_completion, timed_completion

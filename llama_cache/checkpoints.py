@@ -39,7 +39,8 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
-from llama_cache.index import RadixIndex, Tokens, as_token_array
+from llama_cache.index import RadixIndex
+from llama_cache.tokens import Tokens, as_token_array
 
 __all__ = [
     "ContextPointer",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from llama_cache._model import default_model_path
-from llama_cache.inspect import add_inspect_command, run_inspect
+from llama_cache.inspection import add_inspect_command, run_inspect
 
 
 def _model_parent() -> argparse.ArgumentParser:

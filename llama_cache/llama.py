@@ -32,6 +32,7 @@ from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
 from llama_cache.state.fingerprint import model_fingerprint
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
+from llama_cache.tokens import as_token_array, check_vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -253,15 +254,7 @@ class Llama(llama_cpp.Llama):
         return token
 
     def _checked_tokens(self, tokens: Sequence[int]) -> list[int]:
-        if isinstance(tokens, (str, bytes)):
-            raise TypeError("tokens must be a sequence of token ids, not text; tokenize it first")
-        checked = list(tokens)
-        for token in checked:
-            if not isinstance(token, (int, np.integer)) or isinstance(token, bool):
-                raise TypeError(f"token ids must be ints, got {type(token).__name__}")
-            if not 0 <= token < self._n_vocab_cached:
-                raise ValueError(f"token id {token} is outside the vocabulary (0..{self._n_vocab_cached - 1})")
-        return [int(token) for token in checked]
+        return check_vocabulary(as_token_array(tokens), self._n_vocab_cached).tolist()
 
     # -- states ------------------------------------------------------------------------------------
 

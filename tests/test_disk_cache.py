@@ -23,7 +23,7 @@ import pytest
 
 from llama_cache.caches import disk
 from llama_cache.caches.disk import LlamaDiskCache
-from llama_cache.inspect import add_inspect_command, run_inspect
+from llama_cache.inspection import add_inspect_command, run_inspect
 from llama_cache.state.format import encode, encoded_size
 from llama_cache.state.llama_state import LlamaState
 from tests.cache_contract import CacheContract

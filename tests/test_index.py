@@ -13,7 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llama_cache.index import Match, RadixIndex, as_token_array
+from llama_cache.index import Match, RadixIndex
+from llama_cache.tokens import as_token_array
 
 # ------------------------------------------------------------------------------------------- helpers
 

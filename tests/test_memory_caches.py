@@ -9,7 +9,7 @@ import pytest
 from llama_cpp.llama import LlamaState as UpstreamState
 
 from llama_cache import LlamaCache, LlamaRAMCache, LlamaTrieCache
-from llama_cache.caches.base import memory_blocks
+from llama_cache.state.memory import memory_blocks
 from tests.cache_contract import CacheContract
 
 

@@ -2,24 +2,32 @@
 
 Every cache maps token sequences to saved model states. A lookup returns the state of the best stored
 key for the query (what "best" means is the tier's policy), or raises :class:`KeyError`. Capacity is a
-number of bytes: values are charged for the memory they really own (see :func:`memory_blocks`).
+number of bytes: values are charged for the memory they really own (see
+:func:`llama_cache.state.memory.memory_blocks`).
 """
 
 from __future__ import annotations
 
 import threading
 from abc import abstractmethod
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp.llama_cache as _upstream
 
-DEFAULT_CAPACITY_BYTES = 2 << 30
+from llama_cache.state.memory import MemoryBlock, memory_blocks
 
-MemoryBlock = tuple[Hashable, int]
-"""One block of memory a value owns: an identity (blocks shared by several values are charged once) and
-its size in bytes."""
+__all__ = [
+    "DEFAULT_CAPACITY_BYTES",
+    "BaseLlamaCache",
+    "CacheStats",
+    "MemoryBlock",
+    "check_capacity",
+    "memory_blocks",
+]
+
+DEFAULT_CAPACITY_BYTES = 2 << 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +42,9 @@ class CacheStats:
         capacity_bytes: the byte budget.
         evictions: entries dropped to stay within the budget.
         rejected: values never stored because they alone exceed the budget.
+        writes: states actually written (a store of a key already held with the same tokens is not
+            written again).
+        store_errors: states that could not be stored (wrong kind, I/O error); logged, never raised.
     """
 
     hits: int
@@ -43,37 +54,8 @@ class CacheStats:
     capacity_bytes: int
     evictions: int
     rejected: int
-
-
-def memory_blocks(value: Any) -> list[MemoryBlock]:
-    """Return the memory blocks ``value`` owns, for byte accounting.
-
-    - A value with a ``memory_blocks()`` method (llama-cache's own states) says which blocks it holds,
-      so blocks shared between states are charged once.
-    - llama-cpp-python's ``LlamaState`` is charged for everything it holds: its ``input_ids`` and
-      ``scores`` arrays as well as the llama.cpp bytes. Its ``llama_state_size`` counts only the last,
-      about a quarter of the real memory for the default model.
-    - Any other value with ``nbytes`` is charged that; legacy objects fall back to ``llama_state_size``.
-
-    Raises:
-        TypeError: the value reports no size at all.
-    """
-    method = getattr(value, "memory_blocks", None)
-    if callable(method):
-        return list(method())
-    if isinstance(value, _upstream.llama_cpp.llama.LlamaState):
-        owned = int(value.input_ids.nbytes) + int(value.scores.nbytes) + len(value.llama_state)
-        return [(id(value), owned)]
-    for attribute in ("nbytes", "llama_state_size"):
-        size = getattr(value, attribute, None)
-        if isinstance(size, int) and not isinstance(size, bool):
-            if size < 0:
-                raise ValueError(f"{type(value).__name__}.{attribute} is negative: {size}")
-            return [(id(value), size)]
-    raise TypeError(
-        f"cannot size a {type(value).__name__}: a cached state needs an `nbytes` or "
-        "`llama_state_size` attribute"
-    )
+    writes: int = 0
+    store_errors: int = 0
 
 
 def check_capacity(capacity_bytes: object) -> int:

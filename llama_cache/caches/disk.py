@@ -72,7 +72,8 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
-from llama_cache.index import RadixIndex, as_token_array
+from llama_cache.index import RadixIndex
+from llama_cache.tokens import as_token_array
 from llama_cache.state.format import CorruptStateError, decode, encode, encoded_size
 from llama_cache.state.llama_state import LlamaState
 

@@ -22,7 +22,8 @@ from llama_cache.caches.base import (
     MemoryBlock,
     memory_blocks,
 )
-from llama_cache.index import Match, RadixIndex, as_token_array
+from llama_cache.index import Match, RadixIndex
+from llama_cache.tokens import as_token_array
 
 logger = logging.getLogger(__name__)
 

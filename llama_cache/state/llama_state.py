@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.caches.base import MemoryBlock
+from llama_cache.state.memory import MemoryBlock
 from llama_cache.state.kv_layout import (
     Bytes,
     KVLayout,

@@ -10,6 +10,8 @@ embedding (every one of the four architectures falls back to ``token_embd.weight
 absent), which keeps each file at about 8 MB: 6.3 MB of embedding, most of the rest the copied token list and
 merges.
 
+Needs the ``gguf`` package: install the ``testing`` extra (``pip install llama-cache[testing]``).
+
 The weights are meaningless but numerically sane, so evaluation gives finite logits that depend on the whole
 prefix, not just the last token:
 
