@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
-from llama_cache.state.fingerprint import model_fingerprint
+from llama_cache.state.fingerprint import model_description, model_fingerprint
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 from llama_cache.tokens import as_token_array, check_vocabulary
 
@@ -118,9 +118,11 @@ class Llama(llama_cpp.Llama):
         A cache shared by several models that can restrict its lookups to one model
         (``LlamaDiskCache.bind``) is bound to this model's fingerprint if it is not bound yet.
         """
+        if cache is not None and not isinstance(cache, llama_cpp.llama_cache.BaseLlamaCache):
+            raise TypeError(f"cache must be a BaseLlamaCache, got {type(cache).__name__}")
         bind = getattr(cache, "bind", None)
         if callable(bind) and getattr(cache, "fingerprint", "") is None:
-            bind(self.fingerprint)
+            bind(self.fingerprint, model_info=model_description(self))
         super().set_cache(cache)
 
     # -- evaluation and sampling -------------------------------------------------------------------
@@ -138,16 +140,23 @@ class Llama(llama_cpp.Llama):
         self._restored_logits = None
         self._base_valid = min(self._base_valid, self.n_tokens)
         self._evaluated_in_generate += len(tokens)
+        self._last_logits_pos = -1  # the row about to be computed belongs to another token
         if self.checkpoints is None or self.ctx_checkpoints == 0:
             super().eval(tokens)
-            return
-        start = done = self.n_tokens
-        for boundary in self._checkpoint_positions(start, start + len(tokens)):
-            super().eval(tokens[done - start : boundary - start])
-            done = boundary
-            self.checkpoints.save_checkpoint(boundary, self._input_ids[:boundary])
-        if done < start + len(tokens):
-            super().eval(tokens[done - start :])
+        else:
+            start = done = self.n_tokens
+            for boundary in self._checkpoint_positions(start, start + len(tokens)):
+                super().eval(tokens[done - start : boundary - start])
+                done = boundary
+                self.checkpoints.save_checkpoint(boundary, self._input_ids[:boundary])
+            if done < start + len(tokens):
+                super().eval(tokens[done - start :])
+        # The last decode computed the last token's logits (llama-cpp-python asks for them): keep them,
+        # so that a state saved now can serve an exact repeat without a decode.
+        pointer = llama_cpp.llama_get_logits_ith(self._ctx.ctx, -1)
+        if pointer:
+            np.copyto(self._last_logits, np.ctypeslib.as_array(pointer, shape=(self._n_vocab_cached,)))
+            self._last_logits_pos = self.n_tokens - 1
 
     def _checkpoint_positions(self, start: int, end: int) -> list[int]:
         """Where an evaluation of positions start..end stops to save a checkpoint.
@@ -177,9 +186,10 @@ class Llama(llama_cpp.Llama):
         """Put a recurrent/hybrid context where llama-cpp-python's prefix reuse can continue ``prompt``.
 
         Recurrent memory refuses to be cut back, so llama-cpp-python re-evaluates the whole prompt
-        whenever the live context is not a prefix of it. Here: keep a context that is one; else restore
-        the latest checkpoint on the prompt's path (leaving at least one token to evaluate, for logits);
-        else start from an empty context.
+        whenever the live context is not a prefix of it. Here: keep a context that is one; else resume
+        from the furthest point on the prompt's path among the checkpoints (leaving at least one token to
+        evaluate, for logits) and the prompt cache's states (an earlier prompt asked again while the
+        live context has moved past it); else start from an empty context.
         """
         n = self.n_tokens
         live = self.input_ids[:n]
@@ -188,14 +198,45 @@ class Llama(llama_cpp.Llama):
             return
         assert self.checkpoints is not None
         best = self.checkpoints.find_best_checkpoint(prompt[: len(prompt) - 1]) if prompt else None
+        cached = self._cached_state_on_path(prompt)
+        if cached is not None and (best is None or cached.n_tokens > best.pos):
+            try:
+                self.load_state(cached)
+                return
+            except IncompatibleStateError:
+                best = self.checkpoints.find_best_checkpoint(prompt[: len(prompt) - 1])
         if best is not None and self.checkpoints.restore_checkpoint(best):
             self.input_ids[: best.pos] = prompt[: best.pos]
             self.n_tokens = best.pos
             self._requires_eval = True
             self._forget_base()
+            self._last_logits_pos = -1
             return
         if n > 0:
             self.reset()
+
+    def _cached_state_on_path(self, prompt: list[int]) -> LlamaState | None:
+        """The prompt cache's state for the longest stored prefix of ``prompt``, if it can resume it.
+
+        Usable: one of this library's states whose tokens prefix the prompt, with logits when it covers
+        the whole prompt. A failing cache is a miss (logged).
+        """
+        if self.cache is None or not prompt:
+            return None
+        try:
+            state = self.cache[prompt]
+        except KeyError:
+            return None
+        except Exception as error:  # noqa: BLE001 - a broken cache must never fail a completion
+            logger.warning("prompt cache lookup failed (%s: %s); evaluating instead", type(error).__name__, error)
+            return None
+        if not isinstance(state, LlamaState) or state.n_tokens == 0 or state.n_tokens > len(prompt):
+            return None
+        if state.n_tokens == len(prompt) and state.logits is None:
+            return None
+        if not np.array_equal(state.tokens, np.asarray(prompt[: state.n_tokens], dtype=state.tokens.dtype)):
+            return None
+        return state
 
     def sample(self, *args: Any, idx: int | None = None, **kwargs: Any) -> int:
         """As ``llama_cpp.Llama.sample``; after an exact cache hit, samples from the stored logits.
@@ -266,7 +307,10 @@ class Llama(llama_cpp.Llama):
         KV only. With ``logits_all=True`` llama-cpp-python's own state (with all scores) is returned.
         """
         if self._logits_all:
-            return super().save_state()  # type: ignore[return-value]
+            upstream = super().save_state()
+            # Its own attribute, kept by every tier: load_state refuses it in another model.
+            upstream.fingerprint = self.fingerprint  # type: ignore[attr-defined]
+            return upstream  # type: ignore[return-value]
         state = self._snapshot()
         prompt_len = self._prompt_len
         if self._prompt_logits is not None and 0 < prompt_len < state.n_tokens and state.layout is not None:
@@ -298,38 +342,41 @@ class Llama(llama_cpp.Llama):
     def load_state(self, state: Any) -> None:
         """Restore a state into the context (sequence 0).
 
-        Accepts llama-cache's :class:`LlamaState` and llama-cpp-python's own.
+        Accepts llama-cache's :class:`LlamaState` and llama-cpp-python's own ``LlamaState``.
 
         Raises:
+            TypeError: ``state`` is neither.
             IncompatibleStateError: the state was made by another model or KV configuration, does
                 not fit the context, or llama.cpp refused it (the context is then cleared). It is a
                 ``KeyError``, so a completion treats it as a cache miss.
         """
-        if not isinstance(state, LlamaState):
-            self._forget_base()
-            super().load_state(state)
-            if self.checkpoints is not None:
-                notify_memory_cleared(self._ctx.ctx)
+        if isinstance(state, llama_cpp.llama.LlamaState):
+            self._load_upstream_state(state)
             return
+        if not isinstance(state, LlamaState):
+            raise TypeError(
+                f"load_state takes a llama_cache.LlamaState or a llama_cpp.LlamaState, not {type(state).__name__}"
+            )
         if state.fingerprint != self.fingerprint:
             logger.warning("cache miss: state made by another model or configuration (%s, here %s)",
                            state.fingerprint, self.fingerprint)
             raise IncompatibleStateError("state was made by another model or KV configuration")
         if state.n_tokens > self._n_ctx:
             raise IncompatibleStateError(f"state of {state.n_tokens} tokens does not fit n_ctx={self._n_ctx}")
-        data = np.ascontiguousarray(state.seq_bytes(_SEQ))
+        if state.logits is not None and len(state.logits) != self._n_vocab_cached:
+            raise IncompatibleStateError(f"state has {len(state.logits)} logits, the model {self._n_vocab_cached}")
+        try:
+            check_vocabulary(state.tokens, self._n_vocab_cached)
+            data = np.ascontiguousarray(state.seq_bytes(_SEQ))
+        except (ValueError, TypeError) as error:
+            raise IncompatibleStateError(f"unusable state: {error}") from None
         memory = llama_cpp.llama_get_memory(self._ctx.ctx)
         llama_cpp.llama_memory_seq_rm(memory, _SEQ, -1, -1)
         read = llama_cpp.llama_state_seq_set_data(
             self._ctx.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), _SEQ
         )
         if read != len(data):
-            llama_cpp.llama_memory_clear(memory, True)
-            if self.checkpoints is not None:
-                notify_memory_cleared(self._ctx.ctx)
-            self.n_tokens = 0
-            self._requires_eval = True
-            self._forget_base()
+            self._after_refused_state()
             logger.warning("cache miss: llama.cpp refused a %d-byte state (read %d)", len(data), read)
             raise IncompatibleStateError("llama.cpp refused the state")
         if self.checkpoints is not None:
@@ -341,6 +388,44 @@ class Llama(llama_cpp.Llama):
         self._base, self._base_valid = state, n
         self._restored_logits = state.logits
         self._requires_eval = state.logits is None
+        if state.logits is not None:
+            np.copyto(self._last_logits, state.logits)
+            self._last_logits_pos = n - 1
+        else:
+            self._last_logits_pos = -1
+
+    def _load_upstream_state(self, state: llama_cpp.llama.LlamaState) -> None:
+        """Restore llama-cpp-python's own state (whole-context bytes), checking what can be checked."""
+        fingerprint = getattr(state, "fingerprint", None)
+        if fingerprint is not None and fingerprint != self.fingerprint:
+            logger.warning("cache miss: state made by another model or configuration (%s, here %s)",
+                           fingerprint, self.fingerprint)
+            raise IncompatibleStateError("state was made by another model or KV configuration")
+        scores = np.asarray(state.scores)
+        if not 0 <= int(state.n_tokens) <= self._n_ctx or len(state.input_ids) != self._n_ctx:
+            raise IncompatibleStateError("llama-cpp-python state made for another context size")
+        if scores.ndim != 2 or scores.shape[0] > len(self.scores) or scores.shape[1] != self._n_vocab_cached:
+            raise IncompatibleStateError(f"llama-cpp-python state with scores of shape {scores.shape}")
+        self._forget_base()
+        self._last_logits_pos = -1
+        try:
+            super().load_state(state)
+        except RuntimeError as error:  # llama.cpp refused the bytes: another model, a damaged state
+            self._after_refused_state()
+            logger.warning("cache miss: llama.cpp refused a llama-cpp-python state: %s", error)
+            raise IncompatibleStateError(f"llama.cpp refused the state: {error}") from None
+        if self.checkpoints is not None:
+            notify_memory_cleared(self._ctx.ctx)
+
+    def _after_refused_state(self) -> None:
+        """After llama.cpp refused a state: an empty context, nothing derived from the old one."""
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), True)
+        if self.checkpoints is not None:
+            notify_memory_cleared(self._ctx.ctx)
+        self.n_tokens = 0
+        self._requires_eval = True
+        self._forget_base()
+        self._last_logits_pos = -1
 
     def _read_seq_bytes(self) -> npt.NDArray[np.uint8]:
         size = llama_cpp.llama_state_seq_get_size(self._ctx.ctx, _SEQ)
@@ -370,7 +455,10 @@ class Llama(llama_cpp.Llama):
         On recurrent and hybrid models the memory is cleared, and the checkpoints with it.
         """
         super().reset()
-        self._restored_logits = None
+        self._forget_base()
+        self._last_logits_pos = -1
+        self._prompt_logits = None
+        self._pending_prompt_state = None
         if self.checkpoints is not None:
             notify_memory_cleared(self._ctx.ctx)
 
@@ -389,4 +477,7 @@ class Llama(llama_cpp.Llama):
         pending, self._pending_prompt_state = self._pending_prompt_state, None
         if pending is not None and self.cache is not None:
             key, state = pending
-            self.cache[key] = state
+            try:
+                self.cache[key] = state
+            except Exception as error:  # noqa: BLE001 - a failing cache must never fail a completion
+                logger.warning("could not cache the prompt's state (%s: %s)", type(error).__name__, error)

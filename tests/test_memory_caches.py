@@ -60,11 +60,13 @@ def test_legacy_objects_fall_back_to_llama_state_size() -> None:
     assert cache.cache_size == 123
 
 
-def test_values_without_a_size_are_refused() -> None:
+def test_values_without_a_size_are_not_stored_and_counted_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     cache = LlamaTrieCache(capacity_bytes=1000)
-    with pytest.raises(TypeError):
+    with caplog.at_level("WARNING", logger="llama_cache"):
         cache[[1]] = object()
     assert len(cache) == 0
+    assert cache.stats().store_errors == 1
+    assert "not caching" in caplog.text
 
 
 class _SharedBlocks:

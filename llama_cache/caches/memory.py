@@ -23,6 +23,7 @@ from llama_cache.caches.base import (
     memory_blocks,
 )
 from llama_cache.index import Match, RadixIndex
+from llama_cache.state.values import filing_key, holds_same_state
 from llama_cache.tokens import as_token_array
 
 logger = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class IndexedMemoryCache(BaseLlamaCache):
         self._lru: OrderedDict[_Entry, None] = OrderedDict()
         self._blocks: dict[Hashable, list[int]] = {}  # identity -> [holders, nbytes]
         self._size = 0
-        self._hits = self._misses = self._evictions = self._rejected = 0
+        self._hits = self._misses = self._evictions = self._rejected = self._writes = self._store_errors = 0
 
     @abstractmethod
     def _match(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
@@ -104,21 +105,40 @@ class IndexedMemoryCache(BaseLlamaCache):
             return self._match(query) is not None
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
-        """Store ``value`` under ``key``, replacing any state stored under the same key.
+        """Store ``value``, replacing any state stored under the same key.
+
+        The value is filed under :func:`~llama_cache.state.values.filing_key`: the tokens it really
+        holds when those are a proper prefix of ``key`` (llama-cpp-python stores a one-token
+        completion's state, which holds only the prompt, under prompt + completion). When the cache
+        already holds an equal state under that key (same tokens, logits if the new one has them), the
+        store only marks it most recently used: nothing is rewritten (``stats().writes`` counts real
+        writes).
 
         A value larger than the whole budget is not stored (and any state it would replace is
         dropped), so that after ``cache[key] = value`` the key maps to ``value`` or to nothing.
-        Least recently used entries are evicted until the budget holds.
+        Least recently used entries are evicted until the budget holds. A value that reports no size is
+        not stored either: logged and counted in ``stats().store_errors``, never raised, so a completion
+        storing its state never fails because of the cache.
 
         Raises:
-            TypeError, ValueError: ``key`` is not a sequence of token ids, or ``value`` has no size.
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        tokens = as_token_array(key).copy()
+        tokens = filing_key(as_token_array(key), value).copy()
         tokens.setflags(write=False)
-        blocks = memory_blocks(value)
+        try:
+            blocks = memory_blocks(value)
+        except (TypeError, ValueError) as error:
+            with self._lock:
+                self._store_errors += 1
+            logger.warning("not caching a %s: %s", type(value).__name__, error)
+            return
         total = sum(size for _, size in blocks)
         with self._lock:
             previous = self._index.get(tokens)
+            if previous is not None and holds_same_state(previous.value, value):
+                self._lru.move_to_end(previous)
+                self._index.touch(tokens)
+                return
             if previous is not None:
                 self._drop(previous)
             if total > self.capacity_bytes:
@@ -133,6 +153,7 @@ class IndexedMemoryCache(BaseLlamaCache):
             self._charge(blocks)
             self._index.insert(tokens, entry)
             self._lru[entry] = None
+            self._writes += 1
             while self._size > self.capacity_bytes:
                 victim = next(iter(self._lru))
                 self._drop(victim)
@@ -182,6 +203,8 @@ class IndexedMemoryCache(BaseLlamaCache):
                 capacity_bytes=self.capacity_bytes,
                 evictions=self._evictions,
                 rejected=self._rejected,
+                writes=self._writes,
+                store_errors=self._store_errors,
             )
 
     def index_nbytes(self) -> int:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.state.memory import MemoryBlock
 from llama_cache.state.kv_layout import (
     Bytes,
     KVLayout,
@@ -16,6 +17,10 @@ from llama_cache.state.kv_layout import (
     parse_seq_state,
     serialize_segments,
 )
+from llama_cache.state.memory import MemoryBlock
+
+# llama-cpp-python's load_state, which cannot restore our states (see LlamaState.scores).
+_UPSTREAM_LOAD_STATE = llama_cpp.Llama.load_state.__code__
 
 
 class IncompatibleStateError(KeyError):
@@ -200,7 +205,19 @@ class LlamaState:
 
     @property
     def scores(self) -> npt.NDArray[np.float32]:
-        """The last logits row as a (1, n_vocab) array; (0, 0) when the state has none."""
+        """The last logits row as a (1, n_vocab) array; (0, 0) when the state has none.
+
+        Raises:
+            IncompatibleStateError: read by ``llama_cpp.Llama.load_state``, which cannot restore this
+                per-sequence state (it would first overwrite its scores and tokens, then fail in llama.cpp).
+                A ``KeyError``: inside a completion, a cache miss.
+        """
+        # `scores` is the first attribute llama-cpp-python's load_state reads: stop it before it mutates.
+        if sys._getframe(1).f_code is _UPSTREAM_LOAD_STATE:
+            raise IncompatibleStateError(
+                "a llama_cache.LlamaState is restored by llama_cache.Llama, not by a plain llama_cpp.Llama: "
+                "use llama_cache.Llama, or a cache of llama-cpp-python's own states"
+            )
         if self.logits is None:
             return np.zeros((0, 0), dtype=np.float32)
         return self.logits.reshape(1, -1)
