@@ -467,17 +467,67 @@ class Llama(llama_cpp.Llama):
     def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         # llama-cpp-python saves prompt+completion's state just before its last chunk; the prompt's
         # own state (prepared by save_state) is stored then too, before the chunk reaches the caller.
+        # A cache failure (a full disk, an unreachable server, a bad value) must never fail a completion:
+        # for its duration the cache is seen through a guard that turns failures into logged misses.
         self._pending_prompt_state = None
-        for chunk in super()._create_completion(*args, **kwargs):
+        cache = self.cache
+        if cache is not None:
+            self.cache = _FailSafeCache(cache)  # type: ignore[assignment]
+        try:
+            for chunk in super()._create_completion(*args, **kwargs):
+                self._store_prompt_state()
+                yield chunk
             self._store_prompt_state()
-            yield chunk
-        self._store_prompt_state()
+        finally:
+            if isinstance(self.cache, _FailSafeCache):
+                self.cache = cache
 
     def _store_prompt_state(self) -> None:
         pending, self._pending_prompt_state = self._pending_prompt_state, None
         if pending is not None and self.cache is not None:
             key, state = pending
-            try:
-                self.cache[key] = state
-            except Exception as error:  # noqa: BLE001 - a failing cache must never fail a completion
-                logger.warning("could not cache the prompt's state (%s: %s)", type(error).__name__, error)
+            self.cache[key] = state  # through _FailSafeCache: never raises
+
+
+class _FailSafeCache:
+    """A completion's view of its prompt cache: failures become logged misses and skipped stores.
+
+    Lookups that raise anything but ``KeyError``, or return something that is not a state, are misses;
+    stores that raise are logged and dropped. Everything else is the wrapped cache's.
+    """
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: Any) -> None:
+        self._cache = cache
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __getitem__(self, key: Sequence[int]) -> Any:
+        try:
+            value = self._cache[key]
+        except KeyError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any cache failure is a miss
+            logger.warning("prompt cache lookup failed (%s: %s); a miss", type(error).__name__, error)
+            raise KeyError("prompt cache lookup failed") from None
+        if not isinstance(value, (LlamaState, llama_cpp.llama.LlamaState)):
+            logger.warning("prompt cache returned a %s, not a state; a miss", type(value).__name__)
+            raise KeyError("prompt cache returned no state")
+        return value
+
+    def __setitem__(self, key: Sequence[int], value: Any) -> None:
+        try:
+            self._cache[key] = value
+        except Exception as error:  # noqa: BLE001 - any cache failure is a skipped store
+            logger.warning("could not cache a state (%s: %s)", type(error).__name__, error)
+
+    def __contains__(self, key: Sequence[int]) -> bool:
+        try:
+            return key in self._cache
+        except Exception:  # noqa: BLE001
+            return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
