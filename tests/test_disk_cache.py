@@ -694,3 +694,153 @@ def test_a_hit_loaded_by_a_new_process_matches_a_cold_run(tmp_path: Path) -> Non
     assert same_text == cold[0][0] and same_evaluated < cold[0][1]
     assert same_evaluated == 0  # an exact repeat samples from the stored logits
     assert longer_text == cold[1][0] and longer_evaluated < cold[1][1]
+
+
+# -- llama-cpp-python's own states -----------------------------------------------------------------
+
+
+def _upstream_state(tokens: list[int], n_ctx: int = 16, n_vocab: int = 8, fingerprint: str | None = None) -> Any:
+    import llama_cpp
+
+    input_ids = np.zeros(n_ctx, dtype=np.intc)
+    input_ids[: len(tokens)] = tokens
+    input_ids[len(tokens) :] = 3  # stale tokens past n_tokens, kept as they were
+    scores = np.zeros((len(tokens), n_vocab), dtype=np.single)
+    scores[-1] = np.arange(n_vocab)  # only the last row carries information
+    raw = bytes(range(256)) * 3
+    state = llama_cpp.llama.LlamaState(
+        input_ids=input_ids, scores=scores, n_tokens=len(tokens), llama_state=raw, llama_state_size=len(raw), seed=42
+    )
+    if fingerprint is not None:
+        state.fingerprint = fingerprint
+    return state
+
+
+def test_llama_cpp_python_states_round_trip_as_their_own_type(open_cache: Any) -> None:
+    import llama_cpp
+
+    cache = open_cache()
+    original = _upstream_state([5, 6, 7])
+    cache[[5, 6, 7, 8]] = original  # filed under the tokens the state holds
+    loaded = cache[[5, 6, 7, 9]]
+    assert type(loaded) is llama_cpp.llama.LlamaState
+    assert np.array_equal(loaded.input_ids, original.input_ids) and loaded.input_ids.dtype == np.intc
+    assert np.array_equal(loaded.scores, original.scores) and loaded.scores.dtype == np.single
+    assert (loaded.n_tokens, loaded.llama_state, loaded.llama_state_size, loaded.seed) == (
+        3, original.llama_state, original.llama_state_size, 42
+    )
+    assert not hasattr(loaded, "fingerprint")
+    (entry,) = cache.entries()
+    assert (entry.namespace, entry.n_tokens, entry.kind) == (disk.UNBOUND_NAMESPACE, 3, "llama_cpp")
+    # Only the informative score row is on disk: far less than the whole matrix.
+    assert entry.size < original.scores.nbytes + len(original.llama_state) + 2 * original.input_ids.nbytes + 400
+
+
+def test_llama_cpp_python_states_are_filed_by_fingerprint_then_binding(open_cache: Any) -> None:
+    cache = open_cache(write_behind=False)
+    cache[[1, 2]] = _upstream_state([1, 2], fingerprint="model-a")
+    cache.bind("model-b")
+    cache[[3, 4]] = _upstream_state([3, 4])
+    assert sorted(entry.namespace for entry in cache.entries()) == ["model-a", "model-b"]
+    assert [3, 4] in cache and [1, 2] not in cache
+    cache.bind("model-a")
+    assert cache[[1, 2]].fingerprint == "model-a"
+
+
+# -- the models of the namespaces ----------------------------------------------------------------
+
+
+def test_inspect_names_the_model_of_each_namespace(open_cache: Any) -> None:
+    cache = open_cache(write_behind=False)
+    cache.bind("model-a", model_info={"file": "tiny.gguf", "desc": "llama 135M Q4_1", "n_params": "134515008"})
+    cache[[1, 2, 3]] = make_state([1, 2, 3], fingerprint="model-a")
+    cache[[4]] = make_state([4], fingerprint="model-b")
+    assert cache.models() == {"model-a": {"file": "tiny.gguf", "desc": "llama 135M Q4_1", "n_params": "134515008"}}
+    parser = argparse.ArgumentParser()
+    add_inspect_command(parser.add_subparsers(dest="command"), [])
+    status, text = run_inspect(parser.parse_args(["inspect", str(cache.cache_dir)]))
+    assert status == 0
+    assert "namespace model-a (tiny.gguf, llama 135M Q4_1, 135M params): 1 entries" in text
+    assert "namespace model-b: 1 entries" in text
+    with pytest.raises(TypeError):
+        cache.bind("model-a", model_info={"file": 3})  # type: ignore[dict-item]
+    with pytest.raises(ValueError):
+        cache.bind(None, model_info={"file": "x"})
+
+
+_PLAIN_PROMPT = "Q: What is the capital of France?\nA:"
+
+_PLAIN_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import llama_cpp
+    import llama_cache
+    from llama_cache.caches.disk import LlamaDiskCache
+
+    llm = llama_cpp.Llama(model_path=str(llama_cache.default_model_path()), n_ctx=512, verbose=False, seed=0)
+    cache = LlamaDiskCache(sys.argv[1])
+    llm.set_cache(cache)
+    out = llm(sys.argv[2], max_tokens=16, temperature=0)
+    print(json.dumps([out["choices"][0]["text"], cache.stats().hits]))
+    """
+)
+
+
+@pytest.mark.model
+def test_a_plain_llama_cpp_llama_uses_the_disk_cache_unchanged(tmp_path: Path) -> None:
+    import llama_cpp
+
+    import llama_cache
+
+    model = str(llama_cache.default_model_path())
+    cold_llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
+    cold = cold_llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    del cold_llm
+    directory = tmp_path / "cache"
+    llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
+    cache = LlamaDiskCache(directory)
+    llm.set_cache(cache)  # the spec's example, unchanged
+    first = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    cache.flush()
+    files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
+    assert cache.stats().writes == 1 and len(files) == 1
+    second = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    stats = cache.stats()  # waits for the queued store
+    assert first == second == cold and stats.hits == 1
+    # The second completion stored the state it had just restored: nothing new was written.
+    assert stats.writes == 1 and sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst")) == files
+    cache.close()
+
+    result = _run_python(_PLAIN_CHILD, str(directory), _PLAIN_PROMPT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text, hits = json.loads(result.stdout)
+    assert text == cold and hits == 1
+
+    rebound = LlamaDiskCache(directory, write_behind=False)
+    rebound.bind(llm)  # a plain Llama's fingerprint and its model's name
+    assert rebound.fingerprint is not None and len(rebound.fingerprint) == 32
+    (info,) = rebound.models().values()
+    assert info["file"] == Path(model).name and int(info["n_params"]) > 0
+    rebound.close()
+
+
+@pytest.mark.model
+def test_after_a_pure_hit_a_completion_writes_no_new_payload(tmp_path: Path) -> None:
+    import llama_cache
+    from llama_cache.llama import Llama
+
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=512, verbose=False, seed=0)
+    directory = tmp_path / "cache"
+    cache = LlamaDiskCache(directory, fingerprint=llm.fingerprint)
+    llm.set_cache(cache)
+    first = llm.create_completion(_PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    cache.flush()
+    files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
+    writes = cache.stats().writes
+    assert writes == len(files) >= 1
+    llm.reset()
+    second = llm.create_completion(_PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert second == first and cache.stats().hits >= 1
+    assert cache.stats().writes == writes
+    assert sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst")) == files
+    cache.close()
