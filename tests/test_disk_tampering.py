@@ -394,18 +394,21 @@ _PROMPTS = (
 )
 
 
+_SQL_ACTS = {"column", "swap", "delete_row", "junk_row", "changes", "meta", "models", "drop_table"}
+
+
 def _tamper(rng: random.Random, directory: Path, outside: Path) -> str:
     """One random act of vandalism on the index or the payload folder; returns what it did."""
     data = directory / disk.DATA_DIR
     files = sorted(p for p in data.rglob("*.llst") if p.is_file() and not p.is_symlink())
+    act = rng.choice(
+        ["column", "column", "column", "swap", "delete_row", "junk_row", "changes", "meta", "models",
+         "file_bytes", "file_truncate", "file_fifo", "file_link", "file_dir", "subdir_link", "file_delete",
+         "drop_table"]
+    )
     conn = sqlite3.connect(directory / disk.INDEX_FILE, isolation_level=None, timeout=30)
     try:
-        ids = [row[0] for row in conn.execute("SELECT id FROM entries")]
-        act = rng.choice(
-            ["column", "column", "column", "swap", "delete_row", "junk_row", "changes", "meta", "models",
-             "file_bytes", "file_truncate", "file_fifo", "file_link", "file_dir", "subdir_link", "file_delete",
-             "drop_table"]
-        )
+        ids = [row[0] for row in conn.execute("SELECT id FROM entries")] if act in _SQL_ACTS else []
         values: list[Any] = [
             -1, 0, 1, 2**40, 2**62, -(2**62), 1.5, float("nan"), "x", "", "zlib", "raw", b"\x01\x02\x03",
             b"\xff\xff\xff\xff", None, str(outside / "precious.txt"), "../../outside/precious.txt",
@@ -462,9 +465,11 @@ def _tamper(rng: random.Random, directory: Path, outside: Path) -> str:
                 pass
             return "models"
         if act == "drop_table":
-            table = rng.choice(["changes", "meta", "models"])
+            table = rng.choice(["entries", "changes", "meta", "models"])
             conn.execute(f"DROP TABLE IF EXISTS {table}")
             return f"drop {table}"
+    except sqlite3.Error:
+        return f"{act} (refused: a table is gone)"
     finally:
         conn.close()
     if not files:

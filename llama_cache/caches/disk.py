@@ -580,6 +580,9 @@ class _DataDir:
             return found
         try:
             subdirs = [e.name for e in os.scandir(data_fd) if _SUBDIR_NAME.fullmatch(e.name)]
+        except OSError as error:
+            logger.warning("disk cache: cannot list %s: %s", self.path, error)
+            return found
         finally:
             os.close(data_fd)
         for subdir in subdirs:
@@ -1623,18 +1626,19 @@ class LlamaDiskCache(BaseLlamaCache):
 
     def _store(self, tokens: npt.NDArray[np.int32], value: Any, namespace: str, kind: int) -> None:
         """Write one state's payload, then commit it. Runs in the writer thread or the caller's."""
-        if kind == KIND_UPSTREAM:
-            logits = bool(np.any(np.asarray(value.scores)))
-            n_state = int(value.n_tokens)
-        else:
-            logits = value.logits is not None
-            n_state = int(value.n_tokens)
+        n_state = int(value.n_tokens)
+
+        def has_logits() -> bool:  # a scan of the scores for llama-cpp-python's states: only when needed
+            if kind == KIND_UPSTREAM:
+                return bool(np.any(np.asarray(value.scores)))
+            return value.logits is not None
+
         # A store that would only rewrite what is there touches the entry instead (decided in memory).
         try:
             with self._lock:
                 self._sync()
                 old = self._exact(namespace, tokens)
-                if old is not None and old.kind == kind and old.n_state == n_state and (old.logits or not logits):
+                if old is not None and old.kind == kind and old.n_state == n_state and (old.logits or not has_logits()):
                     self._touch(old.id, hit=False)
                     return
         except sqlite3.Error as error:
@@ -1680,7 +1684,7 @@ class LlamaDiskCache(BaseLlamaCache):
             self._data.unlink(name)
             self._reject(namespace, tokens, size)
             return
-        row = (kind, int(cut), int(logits), n_state)
+        row = (kind, int(cut), int(has_logits()), n_state)
         self._commit(namespace, tokens, name, size, raw_size, row)
 
     def _write_payload(self, name: str, parts: list[memoryview]) -> int:
