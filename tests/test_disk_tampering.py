@@ -634,7 +634,7 @@ def _assert_clean(figures: dict[str, Any]) -> None:
 
 @pytest.mark.model
 def test_random_tampering_under_real_completions(tmp_path: Path) -> None:
-    _assert_clean(_fuzz(tmp_path, trials=int(os.environ.get("LLAMA_CACHE_FUZZ_TRIALS", "160")), seed=1234))
+    _assert_clean(_fuzz(tmp_path, trials=int(os.environ.get("LLAMA_CACHE_FUZZ_TRIALS", "120")), seed=1234))
 
 
 @pytest.mark.model
