@@ -343,6 +343,10 @@ def test_an_unusable_directory_raises_an_os_error_naming_it(tmp_path: Path) -> N
     (garbage / disk.INDEX_FILE).write_bytes(b"not a database at all" * 100)
     with pytest.raises(CacheDirectoryError, match="garbage"):
         LlamaDiskCache(garbage)
+    blocked = tmp_path / "blocked"
+    (blocked / disk.INDEX_FILE).mkdir(parents=True)  # the index cannot be created
+    with pytest.raises(CacheDirectoryError, match="blocked"):
+        LlamaDiskCache(blocked)
     if os.geteuid() != 0:  # root ignores permissions
         read_only = tmp_path / "ro"
         read_only.mkdir()
