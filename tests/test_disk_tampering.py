@@ -21,7 +21,7 @@ import textwrap
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
