@@ -4,8 +4,8 @@ Layout (little-endian)::
 
     8  magic  b"LLCSTATE"
     2  format version (2)
-    2  reserved (0)
-    4  header length H
+    2  payload kind: 0 a llama-cache state (below), 1 a llama-cpp-python state (see the end)
+    4  header length H (at most 64 KiB)
     8  payload length P
     8  XXH3-64 of header and payload
     H  header: UTF-8 JSON {fingerprint, seed, n_tokens, n_vocab, kv: "segmented" | "opaque"}
@@ -21,7 +21,8 @@ The checksum is XXH3-64 (the ``xxhash`` package): it verifies a 35 MB state in a
 
 **llama-cpp-python's states** (``llama_cpp.llama.LlamaState``, what a plain ``llama_cpp.Llama`` saves)
 have a second payload kind, written by :func:`encode_upstream` and read by :func:`decode_upstream`. The
-same prefix is used with the reserved field set to ``KIND_UPSTREAM`` (1)::
+same prefix is used with the kind field set to ``KIND_UPSTREAM`` (1); readers of the first
+version of this format (which ignored that field) reject such a payload for its header::
 
     H  header: UTF-8 JSON {kind: "llama_cpp", namespace, fingerprint (str or null), seed, n_tokens,
        n_ids, n_rows, n_vocab, n_stored_rows, state_size}
