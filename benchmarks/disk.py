@@ -10,7 +10,11 @@ Prints a table per section and writes ``benchmarks/results/disk.json``. Sections
    ``key in cache`` and a full hit ``cache[key]`` for :class:`llama_cache.caches.disk.LlamaDiskCache`
    against ``key in cache`` for llama-cpp-python's ``llama_cpp.llama_cache.LlamaDiskCache`` (its
    ``__getitem__`` pops the entry, so membership is what can be timed repeatedly; it scans every key).
-   Also the time to open a directory holding that many entries (index rebuild) and the set-up time.
+   Also the time to open a directory holding that many entries (index rebuild), the set-up time, how
+   many entries each side really held (llama-cpp-python's set-up stops at a time budget, and diskcache
+   may cull), and each side's memory measured the same way: each side runs in its own fresh process
+   (resident memory growth from after the imports to the end, and the peak), and the order of the two
+   set-ups alternates from one size to the next.
 2. **Throughput** for a real default-model state of ~1,500 tokens: ``cache[key] = state`` (synchronous,
    with and without fsync) and ``cache[key]`` (mmap + checksum + decode), with the page cache hot and cold
    (``posix_fadvise(DONTNEED)``), against writing / reading the same bytes to / from a plain file in the
@@ -79,12 +83,36 @@ class Keys:
         return np.concatenate([self.systems[i % 8], self.docs[(i // 8) % 64], tail])
 
     def query(self, i: int) -> list[int]:
-        """Entry i's key with its last 100 tokens replaced: entry i is the unique best answer."""
+        """Entry i's key followed by 100 new tokens: entry i is the unique best answer.
+
+        (The payloads are small opaque states, which answer only queries their key prefixes.)
+        """
         fresh = np.random.default_rng(10**6 + i).integers(0, VOCAB, 100, dtype=np.int32)
-        return np.concatenate([self.key(i)[:1900], fresh]).tolist()
+        return np.concatenate([self.key(i), fresh]).tolist()
 
 
-def bench_lookups(sizes: list[int], workdir: Path, their_budget_s: float) -> list[dict[str, Any]]:
+def _rss_mib() -> float:
+    """Resident memory of this process now (Linux ``/proc``), in MiB."""
+    with open("/proc/self/statm") as file:
+        return int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+_LOOKUP_CHILD = "--lookup-child"
+
+
+def lookup_child(side: str, n: int, directory: str, budget_s: float) -> None:
+    """Run in a fresh process: fill one side's cache with ``n`` entries, time its lookups, report memory.
+
+    Both sides run the same code path, in the same kind of process, and have their memory measured
+    the same way: resident memory after the imports, after the set-up and after the lookups, and the
+    peak (``ru_maxrss``) over the whole run.
+    """
     from llama_cpp.llama import LlamaState as UpstreamState
     from llama_cpp.llama_cache import LlamaDiskCache as TheirDiskCache
 
@@ -92,67 +120,97 @@ def bench_lookups(sizes: list[int], workdir: Path, their_budget_s: float) -> lis
     from llama_cache.state.llama_state import LlamaState
 
     keys = Keys()
-    payload = np.zeros(256, dtype=np.uint8)
-    results = []
-    for n in sizes:
-        ours_dir = workdir / f"ours-{n}"
-        cache = LlamaDiskCache(ours_dir, capacity_bytes=1 << 34)
-        start = time.perf_counter()
+    rng = np.random.default_rng(n)
+    picks = [int(i) for i in rng.integers(0, n, 200)]
+    queries = [keys.query(i) for i in picks]
+    out: dict[str, Any] = {"side": side, "entries": n, "rss_base_mib": _rss_mib()}
+    start = time.perf_counter()
+    if side == "ours":
+        payload = np.zeros(256, dtype=np.uint8)
+        cache = LlamaDiskCache(directory, capacity_bytes=1 << 34)
         for i in range(n):
             key = keys.key(i)
             cache[key] = LlamaState(key, None, 0, "bench", opaque=payload)
         cache.flush()
-        ours_setup = time.perf_counter() - start
+        out["setup_s"] = time.perf_counter() - start
         cache.close()
-        rng = np.random.default_rng(n)
-        picks = [int(i) for i in rng.integers(0, n, 200)]
-        queries = [keys.query(i) for i in picks]
-
+        out["attempted"] = n
         start = time.perf_counter()
-        cache = LlamaDiskCache(ours_dir, capacity_bytes=1 << 34)
+        cache = LlamaDiskCache(directory, capacity_bytes=1 << 34)
         _ = queries[0] in cache
-        startup = time.perf_counter() - start
+        out["open_ms"] = (time.perf_counter() - start) * 1e3
+        out["held"] = len(cache)
+        out["rss_setup_mib"] = _rss_mib()
         it = iter(queries * 10)
-        ours_contains = median_time(lambda: next(it) in cache, 200)
+        out["contains_us"] = median_time(lambda: next(it) in cache, 200) * 1e6
         it = iter(queries * 10)
-        ours_get = median_time(lambda: cache[next(it)], 100)
+        out["getitem_us"] = median_time(lambda: cache[next(it)], 100) * 1e6
         assert all(cache[q].n_tokens == 2000 for q in queries[:5])
         cache.close()
-
-        # llama-cpp-python's disk cache prints on every store: silence it while filling.
-        theirs_dir = workdir / f"theirs-{n}"
-        theirs = TheirDiskCache(str(theirs_dir), capacity_bytes=1 << 34)
+    else:
+        theirs = TheirDiskCache(directory, capacity_bytes=1 << 34)
         small = UpstreamState(np.zeros(8, np.intc), np.zeros((1, 8), np.single), 8, bytes(256), 256, 0)
-        start = time.perf_counter()
-        stored = 0
+        attempted = 0
+        # llama-cpp-python's disk cache prints on every store: silence it while filling.
         with contextlib.redirect_stderr(io.StringIO()):
             for i in range(n):
                 theirs[keys.key(i).tolist()] = small
-                stored += 1
-                if time.perf_counter() - start > their_budget_s:
+                attempted += 1
+                if time.perf_counter() - start > budget_s:
                     break
-        their_setup = time.perf_counter() - start
-        their_queries = [q for q, i in zip(queries, picks) if i < stored] or queries
-        reps = 30 if stored <= 100 else 7 if stored <= 2000 else 3
+        out["setup_s"] = time.perf_counter() - start
+        out["attempted"] = attempted
+        out["held"] = len(theirs.cache)  # what diskcache kept (its own size limit may cull)
+        out["rss_setup_mib"] = _rss_mib()
+        held_keys = {tuple(k) for k in theirs.cache.iterkeys()}
+        their_queries = [q for q, i in zip(queries, picks) if tuple(keys.key(i).tolist()) in held_keys] or queries
+        reps = 30 if out["held"] <= 100 else 7 if out["held"] <= 2000 else 3
         it = iter(their_queries * 10)
-        their_contains = median_time(lambda: next(it) in theirs, reps)
+        out["contains_us"] = median_time(lambda: next(it) in theirs, reps) * 1e6
         theirs.cache.close()
+    out["rss_end_mib"] = _rss_mib()
+    out["peak_rss_mib"] = max(_peak_rss_mib(), out["rss_end_mib"])
+    print(json.dumps(out))
+
+
+def bench_lookups(sizes: list[int], workdir: Path, their_budget_s: float) -> list[dict[str, Any]]:
+    """Each side in its own fresh process, the order of the two set-ups rotating from one size to the next."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for position, n in enumerate(sizes):
+        order = ("ours", "theirs") if position % 2 == 0 else ("theirs", "ours")
+        runs: dict[str, dict[str, Any]] = {}
+        for side in order:
+            child = subprocess.run(
+                [sys.executable, __file__, _LOOKUP_CHILD, side, str(n), str(workdir / f"{side}-{n}"), str(their_budget_s)],
+                capture_output=True, text=True, check=True, cwd=ROOT,
+            )
+            runs[side] = json.loads(child.stdout.strip().splitlines()[-1])
+        ours, theirs = runs["ours"], runs["theirs"]
         results.append(
             {
                 "entries": n,
-                "ours_setup_s": ours_setup,
-                "ours_open_ms": startup * 1e3,
-                "ours_contains_us": ours_contains * 1e6,
-                "ours_getitem_us": ours_get * 1e6,
-                "theirs_entries": stored,
-                "theirs_setup_s": their_setup,
-                "theirs_contains_us": their_contains * 1e6,
+                "first": order[0],
+                "ours_setup_s": ours["setup_s"],
+                "ours_open_ms": ours["open_ms"],
+                "ours_contains_us": ours["contains_us"],
+                "ours_getitem_us": ours["getitem_us"],
+                "ours_held": ours["held"],
+                "ours_rss_growth_mib": ours["rss_end_mib"] - ours["rss_base_mib"],
+                "ours_peak_rss_mib": ours["peak_rss_mib"],
+                "theirs_attempted": theirs["attempted"],
+                "theirs_entries": theirs["held"],
+                "theirs_setup_s": theirs["setup_s"],
+                "theirs_contains_us": theirs["contains_us"],
+                "theirs_rss_growth_mib": theirs["rss_end_mib"] - theirs["rss_base_mib"],
+                "theirs_peak_rss_mib": theirs["peak_rss_mib"],
             }
         )
         print(f"  lookups: {n} entries done", file=sys.stderr)
     table(
-        "Lookup latency (keys of 2,000 tokens sharing prefixes; median)",
-        ["entries", "ours: in", "ours: get (hit)", "ours: open", "ours: set-up", "theirs: in", "theirs set-up"],
+        "Lookup latency (keys of 2,000 tokens sharing prefixes; median; each side in a fresh process)",
+        ["entries", "ours: in", "ours: get (hit)", "ours: open", "ours: set-up", "ours: RSS +/peak",
+         "theirs: held/tried", "theirs: in", "theirs set-up", "theirs: RSS +/peak", "first"],
         [
             [
                 r["entries"],
@@ -160,9 +218,12 @@ def bench_lookups(sizes: list[int], workdir: Path, their_budget_s: float) -> lis
                 f"{r['ours_getitem_us']:.0f} us",
                 f"{r['ours_open_ms']:.0f} ms",
                 f"{r['ours_setup_s']:.1f} s",
-                f"{r['theirs_contains_us'] / 1e3:.2f} ms"
-                + ("" if r["theirs_entries"] == r["entries"] else f" ({r['theirs_entries']} entries)"),
+                f"{r['ours_rss_growth_mib']:.0f}/{r['ours_peak_rss_mib']:.0f} MiB",
+                f"{r['theirs_entries']}/{r['theirs_attempted']}",
+                f"{r['theirs_contains_us'] / 1e3:.2f} ms",
                 f"{r['theirs_setup_s']:.1f} s",
+                f"{r['theirs_rss_growth_mib']:.0f}/{r['theirs_peak_rss_mib']:.0f} MiB",
+                r["first"],
             ]
             for r in results
         ],
@@ -232,6 +293,20 @@ def real_state(n_tokens: int) -> tuple[Any, Any, list[int], float]:
     return llm, state, tokens, cold.ttft_s
 
 
+def variant(state: Any, i: int) -> Any:
+    """``state`` with its last token replaced by ``i``: the same bytes under a key the cache does not
+    hold yet, so that storing it is a real write (a store of tokens already held is only a touch)."""
+    from llama_cache.state.llama_state import LlamaState
+
+    tokens = state.tokens.copy()
+    tokens[-1] = i
+    return LlamaState.from_seq_bytes(tokens, state.logits, state.seed, state.fingerprint, state.seq_bytes())
+
+
+def store(cache: Any, state: Any) -> None:
+    cache[state.tokens] = state
+
+
 def bench_throughput(state: Any, workdir: Path, repeat: int) -> dict[str, Any]:
     from llama_cache.caches.disk import DATA_DIR, LlamaDiskCache
     from llama_cache.state.format import encode
@@ -256,11 +331,9 @@ def bench_throughput(state: Any, workdir: Path, repeat: int) -> dict[str, Any]:
             lambda: plain_write(plain_dir / f"w{fsync}{next(counter)}", fsync), repeat
         )
         cache = LlamaDiskCache(workdir / f"ours-fsync-{fsync}", capacity_bytes=1 << 33, write_behind=False, fsync=fsync)
-        counter = iter(range(10**6))
-        key = state.tokens.tolist()
-        out[f"ours_save_mbps_fsync_{fsync}"] = mb / median_time(
-            lambda: cache.__setitem__(key + [next(counter)], state), repeat
-        )
+        variants = iter([variant(state, i) for i in range(repeat)])  # made outside the timed calls
+        out[f"ours_save_mbps_fsync_{fsync}"] = mb / median_time(lambda: store(cache, next(variants)), repeat)
+        assert cache.stats().writes == repeat  # every store was a real write
         cache.close()
 
     cache = LlamaDiskCache(workdir / "ours-load", capacity_bytes=1 << 33, write_behind=False)
@@ -291,8 +364,9 @@ def bench_throughput(state: Any, workdir: Path, repeat: int) -> dict[str, Any]:
 
     # The caller's stall with write-behind: queueing only (the writer works in the background).
     cache = LlamaDiskCache(workdir / "ours-behind", capacity_bytes=1 << 33, max_pending=64)
-    counter = iter(range(10**6))
-    out["write_behind_stall_ms"] = 1e3 * median_time(lambda: cache.__setitem__(key + [next(counter)], state), repeat)
+    pending = [variant(state, i) for i in range(repeat)]
+    it = iter(pending)
+    out["write_behind_stall_ms"] = 1e3 * median_time(lambda: store(cache, next(it)), repeat)
     start = time.perf_counter()
     cache.flush()
     out["write_behind_drain_ms_per_state"] = 1e3 * (time.perf_counter() - start) / repeat
@@ -307,8 +381,8 @@ def bench_throughput(state: Any, workdir: Path, repeat: int) -> dict[str, Any]:
     zlib.decompress(packed)
     out["zlib1_decompress_mbps"] = mb / (time.perf_counter() - start)
     cache = LlamaDiskCache(workdir / "ours-zlib", capacity_bytes=1 << 33, write_behind=False, compress=1)
-    counter = iter(range(10**6))
-    out["ours_save_mbps_zlib1"] = mb / median_time(lambda: cache.__setitem__(key + [next(counter)], state), 3)
+    variants = iter([variant(state, i) for i in range(3)])
+    out["ours_save_mbps_zlib1"] = mb / median_time(lambda: store(cache, next(variants)), 3)
     out["ours_load_mbps_zlib1"] = mb / median_time(lambda: cache[key + [0]], 3)
     cache.close()
 
@@ -437,6 +511,9 @@ def bench_ttft(llm: Any, state: Any, tokens: list[int], workdir: Path, repeat: i
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == _CHILD:
         ttft_child(*sys.argv[2:5])
+        return 0
+    if len(sys.argv) > 1 and sys.argv[1] == _LOOKUP_CHILD:
+        lookup_child(sys.argv[2], int(sys.argv[3]), sys.argv[4], float(sys.argv[5]))
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +69,12 @@ def run_inspect(args: argparse.Namespace) -> tuple[int, str]:
     cache_dir: Path = args.cache_dir
     if not (cache_dir / INDEX_FILE).is_file():
         return 2, f"llama-cache inspect: no disk cache in {cache_dir} (no {INDEX_FILE})"
-    with LlamaDiskCache(cache_dir, write_behind=False) as cache:
-        lines = [f"disk cache {cache_dir}", format_entries(cache.entries(), limit=args.limit)]
+    try:
+        cache = LlamaDiskCache(cache_dir, write_behind=False)
+    except OSError as error:
+        return 2, f"llama-cache inspect: {error}"
+    with cache:
+        lines = [f"disk cache {cache_dir}", format_entries(cache.entries(), limit=args.limit, models=cache.models())]
         if not (args.check or args.fix):
             return 0, "\n".join(lines)
         report = cache.check(fix=bool(args.fix), deep=bool(args.deep), grace_seconds=float(args.grace))
@@ -78,8 +82,14 @@ def run_inspect(args: argparse.Namespace) -> tuple[int, str]:
     return (1 if report.problems and not args.fix else 0), "\n".join(lines)
 
 
-def format_entries(entries: Sequence[DiskEntry], limit: int | None = None) -> str:
-    """A table of entries, most recently used first, with totals per namespace and overall."""
+def format_entries(
+    entries: Sequence[DiskEntry], limit: int | None = None, models: Mapping[str, Mapping[str, str]] | None = None
+) -> str:
+    """A table of entries, most recently used first, with totals per namespace and overall.
+
+    ``models`` (from :meth:`LlamaDiskCache.models`) names the model of each namespace it knows.
+    """
+    models = models or {}
     newest_first = list(reversed(entries))
     shown = newest_first if limit is None else newest_first[: max(limit, 0)]
     header = ("#", "tokens", "size", "codec", "namespace", "hits", "last access", "created")
@@ -118,7 +128,7 @@ def format_entries(entries: Sequence[DiskEntry], limit: int | None = None) -> st
         counts[2] += entry.hits
     lines.append("")
     for namespace, (count, size, hits) in sorted(namespaces.items()):
-        lines.append(f"namespace {namespace}: {count} entries, {_human(size)}, {hits} hits")
+        lines.append(f"namespace {namespace}{_model_name(models.get(namespace))}: {count} entries, {_human(size)}, {hits} hits")
     summary = (
         f"total: {len(entries)} entries, {_human(total)} on disk in {len(namespaces)} namespace(s), "
         f"{sum(entry.hits for entry in entries)} hits, {sum(entry.n_tokens for entry in entries)} tokens"
@@ -140,6 +150,7 @@ def format_report(report: CheckReport) -> str:
         ("entries whose file size differs from the index", report.size_mismatches),
         ("entries whose payload does not decode", report.corrupt_files),
         ("orphan files (named by no entry; harmless)", report.orphan_files),
+        ("malformed rows (ignored by lookups; --fix deletes them)", report.malformed_rows),
     ):
         if files:
             lines.append(f"  {len(files)} {label}:")
@@ -153,6 +164,22 @@ def format_report(report: CheckReport) -> str:
     elif not report.problems:
         lines.append("check: no entry can hurt (orphans only waste space)")
     return "\n".join(lines)
+
+
+def _model_name(info: Mapping[str, str] | None) -> str:
+    """`` (file, desc, N params)`` for a namespace whose model is recorded, else nothing.
+
+    The description comes from the index (untrusted): control characters are replaced so that a
+    forged one cannot rewrite the terminal.
+    """
+    if not info:
+        return ""
+    parts = [info[name] for name in ("file", "desc") if info.get(name)]
+    n_params = info.get("n_params", "")
+    if n_params.isdigit():
+        parts.append(f"{int(n_params) / 1e6:.0f}M params")
+    text = ", ".join(parts) or ", ".join(f"{k}={v}" for k, v in sorted(info.items()))
+    return " (" + "".join(c if c.isprintable() else "?" for c in text) + ")"
 
 
 def _human(size: int) -> str:

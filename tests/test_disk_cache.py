@@ -31,12 +31,38 @@ from tests.cache_contract import CacheContract
 REPO = Path(__file__).resolve().parents[1]
 
 
-def make_state(tokens: Sequence[int], nbytes: int = 1000, fingerprint: str = "test") -> LlamaState:
-    """A real state whose opaque bytes are a pattern derived from its last token."""
+def make_state(
+    tokens: Sequence[int], nbytes: int = 1000, fingerprint: str = "test", logits: bool = False
+) -> LlamaState:
+    """A real opaque (recurrent-like) state whose bytes are a pattern derived from its last token."""
     tokens = np.asarray(list(tokens), dtype=np.int32)
     last = int(tokens[-1]) if len(tokens) else 0
     opaque = ((np.arange(nbytes, dtype=np.int64) * (last + 1)) % 251).astype(np.uint8)
-    return LlamaState(tokens, None, 0, fingerprint, opaque=opaque)
+    row = np.full(16, last, dtype=np.float32) if logits else None
+    return LlamaState(tokens, row, 0, fingerprint, opaque=opaque)
+
+
+def make_cut_state(
+    tokens: Sequence[int], nbytes: int = 1000, fingerprint: str = "test", logits: bool = False
+) -> LlamaState:
+    """A real transformer-like state (it can be cut back) of about ``nbytes`` llama.cpp bytes."""
+    tokens = np.asarray(list(tokens), dtype=np.int32)
+    n = len(tokens)
+    row = max(2, (nbytes // (4 * max(n, 1))) & ~1)  # bytes per token of each K row
+    rng = np.random.default_rng(int(tokens.sum()) + n)
+    cells = np.zeros(n, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+    cells["pos"] = np.arange(n)
+    cells["n_seq"] = 1
+    parts = [np.array([0xAF143CD8, 0, 1, n], "<u4").tobytes(), cells.tobytes(), np.array([1, 2], "<u4").tobytes()]
+    for _ in range(2):
+        parts += [np.array([1], "<i4").tobytes(), np.array([row], "<u8").tobytes(), rng.bytes(row * n)]
+    for _ in range(2):
+        parts += [np.array([1], "<i4").tobytes(), np.array([2, row // 2], "<u4").tobytes(), rng.bytes(row * n)]
+    raw = np.frombuffer(b"".join(parts), dtype=np.uint8)
+    last = np.full(16, n, dtype=np.float32) if logits else None
+    state = LlamaState.from_seq_bytes(tokens, last, 0, fingerprint, raw)
+    assert state.layout is not None
+    return state
 
 
 def disk_size(state: LlamaState) -> int:
@@ -69,8 +95,12 @@ def open_cache(tmp_path: Path) -> Iterator[Any]:
 
 
 class _DiskContract(CacheContract):
+    """Cuttable (transformer) states answer by longest common prefix; opaque (recurrent) ones only
+    queries their whole key prefixes."""
+
     policy = "longest_common_prefix"
     write_behind = True
+    maker: Any = staticmethod(make_cut_state)
 
     @pytest.fixture(autouse=True)
     def _directory(self, open_cache: Any) -> None:
@@ -80,13 +110,29 @@ class _DiskContract(CacheContract):
         return self._open(capacity_bytes, write_behind=self.write_behind)
 
     def make_state(self, tokens: Sequence[int], nbytes: int = 1000) -> Any:
-        return make_state(tokens, nbytes)
+        return self.maker(tokens, nbytes)
 
     def size_of(self, state: Any) -> int:
         return disk_size(state)  # the bytes of its payload file
 
     def tokens_of(self, state: Any) -> tuple[int, ...]:
         return tuple(state.tokens.tolist())
+
+    def test_replacing_a_key_never_overcounts(self) -> None:
+        # Unlike the in-memory tiers, a store of the same tokens under a key is not written again
+        # (only touched); a state with logits replaces one without.
+        cache = self.make_cache(10**6)
+        first = self.make_state([1, 2], nbytes=3000)
+        cache[[1, 2]] = first
+        size_one = cache.cache_size
+        for _ in range(3):
+            cache[[1, 2]] = self.make_state([1, 2], nbytes=5000)
+        assert len(cache) == 1 and cache.cache_size == size_one == self.size_of(first)
+        assert cache.stats().writes == 1
+        with_logits = self.maker([1, 2], 5000, logits=True)
+        cache[[1, 2]] = with_logits
+        assert len(cache) == 1 and cache.cache_size == self.size_of(with_logits)
+        assert cache[[1, 2]].logits is not None and cache.stats().writes == 2
 
 
 class TestDiskCacheContract(_DiskContract):
@@ -95,6 +141,11 @@ class TestDiskCacheContract(_DiskContract):
 
 class TestDiskCacheContractSynchronous(_DiskContract):
     write_behind = False
+
+
+class TestDiskCacheContractRecurrentStates(_DiskContract):
+    policy = "whole_key_prefix"
+    maker = staticmethod(make_state)
 
 
 # -- persistence, namespaces, write-behind ---------------------------------------------------------
@@ -111,7 +162,7 @@ def test_a_new_instance_sees_entries_and_lru_order(open_cache: Any) -> None:
     second = open_cache(3 * size + size // 2)
     assert len(second) == 3 and second.cache_size == 3 * size
     assert list(second.keys()) == [(2,), (3,), (1,)]
-    assert pattern_ok(second[[3, 5]])  # 2 stays the oldest
+    assert pattern_ok(second[[3]])  # 2 stays the oldest
     second[[4]] = make_state([4])
     assert [2] not in second and all([t] in second for t in (1, 3, 4))
     assert second.stats().evictions == 1
@@ -123,9 +174,9 @@ def test_re_storing_a_key_keeps_its_hit_count(open_cache: Any) -> None:
     cache[[1, 2]] = make_state([1, 2])
     cache[[1, 2, 3]]
     cache[[1, 2, 4]]
-    cache[[1, 2]] = make_state([1, 2])  # what a completion does after hitting its prompt's state
+    cache[[1, 2]] = make_state([1, 2], logits=True)  # a completion re-storing its prompt, now with logits
     (entry,) = cache.entries()
-    assert entry.hits == 2
+    assert entry.hits == 2 and cache.stats().writes == 2
 
 
 def test_one_directory_serves_two_models_without_mixing_them(open_cache: Any) -> None:
@@ -141,11 +192,11 @@ def test_one_directory_serves_two_models_without_mixing_them(open_cache: Any) ->
         model_a[[9]]
     assert len(model_a) == len(model_b) == 3  # one directory, one budget
     unbound = open_cache()
-    assert unbound[[1, 2]].fingerprint == "model-b"  # most recently used of the tie
+    assert unbound[[1, 2, 3, 4]].fingerprint == "model-b"  # most recently used of the tie
     unbound.bind("model-a")
-    assert unbound[[1, 2]].fingerprint == "model-a"
+    assert unbound[[1, 2, 3]].fingerprint == "model-a"
     del model_a[[1, 2, 3]]
-    assert [1, 2] not in model_a and model_b[[1, 2]].fingerprint == "model-b"
+    assert [1, 2, 3] not in model_a and model_b[[1, 2, 3]].fingerprint == "model-b"
 
 
 def test_write_behind_returns_before_the_write_and_lookups_wait_for_it(
@@ -176,6 +227,7 @@ def test_compressed_entries_round_trip(open_cache: Any) -> None:
     cache[[5, 6]] = state
     got = cache[[5, 6, 7]]
     assert pattern_ok(got) and cache.entries()[0].codec == "zlib"
+    assert open_cache(compress="zlib").compress == 6
     assert cache.cache_size < disk_size(state)  # the pattern compresses
     assert cache.check(deep=True).ok
 
@@ -186,11 +238,20 @@ def test_fsync_mode_stores_and_reads(open_cache: Any) -> None:
     assert pattern_ok(cache[[1]])
 
 
-def test_values_other_than_llama_cache_states_are_refused(open_cache: Any) -> None:
+def test_values_it_cannot_store_are_logged_and_counted_never_raised(
+    open_cache: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     cache = open_cache()
-    with pytest.raises(TypeError):
+    unfingerprinted = make_state([1])
+    unfingerprinted.fingerprint = ""
+    with caplog.at_level(logging.WARNING, logger="llama_cache"):
         cache[[1]] = b"not a state"
-    assert len(cache) == 0
+        cache[[1]] = unfingerprinted
+        cache[[7, 8]] = make_state([1, 2])  # a state that does not hold its key's tokens
+    assert len(cache) == 0 and cache.stats().store_errors == 3
+    assert sum("not caching" in record.message for record in caplog.records) == 3
+    with pytest.raises(ValueError):
+        cache[[1, -1]] = make_state([1])  # a bad key still raises
 
 
 def _segmented_state(n: int, seq_id: int = 0, shuffled: bool = False) -> LlamaState:
@@ -256,13 +317,13 @@ def test_a_damaged_payload_is_a_logged_miss_and_is_cleaned_up(
     open_cache: Any, caplog: pytest.LogCaptureFixture, damage: Any
 ) -> None:
     cache = open_cache(write_behind=False)
-    cache[[1, 2, 3]] = make_state([1, 2, 3], 5000)
-    cache[[1, 2, 4]] = make_state([1, 2, 4], 5000)
+    cache[[1, 2, 3]] = make_cut_state([1, 2, 3], 5000)
+    cache[[1, 2, 4]] = make_cut_state([1, 2, 4], 5000)
     damage(_file_of(cache))  # [1, 2, 4], the most recently used
     with caplog.at_level(logging.WARNING, logger="llama_cache"):
         assert tuple(cache[[1, 2, 9]].tokens) == (1, 2, 3)  # the next best entry answers
     assert any("dropping entry" in record.message for record in caplog.records)
-    assert len(cache) == 1 and cache.cache_size == disk_size(make_state([1, 2, 3], 5000))
+    assert len(cache) == 1 and cache.cache_size == disk_size(make_cut_state([1, 2, 3], 5000))
     damage(_file_of(cache))
     with pytest.raises(KeyError):
         cache[[1, 2, 9]]
@@ -273,7 +334,7 @@ def test_a_damaged_payload_is_a_logged_miss_and_is_cleaned_up(
 def test_a_payload_from_another_namespace_is_refused(open_cache: Any) -> None:
     cache = open_cache(write_behind=False)
     cache[[1]] = make_state([1], fingerprint="aa")
-    cache[[2]] = make_state([1], fingerprint="bb")  # same bytes length, other model
+    cache[[2]] = make_state([2], fingerprint="bb")  # same bytes length, other model
     entries = {entry.namespace: entry for entry in cache.entries()}
     data_dir = cache.cache_dir / disk.DATA_DIR
     (data_dir / entries["bb"].file).write_bytes((data_dir / entries["aa"].file).read_bytes())
@@ -323,10 +384,11 @@ def test_a_full_disk_leaves_the_rest_of_the_cache_intact(
 
     monkeypatch.setattr(disk, "_write_all", full_disk)
     with caplog.at_level(logging.WARNING, logger="llama_cache"):
-        cache[[1]] = make_state([1], 9000)  # a replacement that cannot be written
+        cache[[1]] = make_state([1], 9000, logits=True)  # a replacement that cannot be written
         cache[[3]] = make_state([3], 4000)
         assert pattern_ok(cache[[1]]) and len(cache[[1]].seq_bytes()) == 4000  # the old entry survives
     assert [3] not in cache and len(cache) == 2 and cache.write_errors == 2
+    assert cache.stats().store_errors == 2 and cache.stats().writes == 2
     assert any("no space left" in record.message for record in caplog.records)
     assert cache.check().ok  # no partial file left behind
     monkeypatch.setattr(disk, "_write_all", real_write)
@@ -632,3 +694,153 @@ def test_a_hit_loaded_by_a_new_process_matches_a_cold_run(tmp_path: Path) -> Non
     assert same_text == cold[0][0] and same_evaluated < cold[0][1]
     assert same_evaluated == 0  # an exact repeat samples from the stored logits
     assert longer_text == cold[1][0] and longer_evaluated < cold[1][1]
+
+
+# -- llama-cpp-python's own states -----------------------------------------------------------------
+
+
+def _upstream_state(tokens: list[int], n_ctx: int = 16, n_vocab: int = 8, fingerprint: str | None = None) -> Any:
+    import llama_cpp
+
+    input_ids = np.zeros(n_ctx, dtype=np.intc)
+    input_ids[: len(tokens)] = tokens
+    input_ids[len(tokens) :] = 3  # stale tokens past n_tokens, kept as they were
+    scores = np.zeros((len(tokens), n_vocab), dtype=np.single)
+    scores[-1] = np.arange(n_vocab)  # only the last row carries information
+    raw = bytes(range(256)) * 3
+    state = llama_cpp.llama.LlamaState(
+        input_ids=input_ids, scores=scores, n_tokens=len(tokens), llama_state=raw, llama_state_size=len(raw), seed=42
+    )
+    if fingerprint is not None:
+        state.fingerprint = fingerprint
+    return state
+
+
+def test_llama_cpp_python_states_round_trip_as_their_own_type(open_cache: Any) -> None:
+    import llama_cpp
+
+    cache = open_cache()
+    original = _upstream_state([5, 6, 7])
+    cache[[5, 6, 7, 8]] = original  # filed under the tokens the state holds
+    loaded = cache[[5, 6, 7, 9]]
+    assert type(loaded) is llama_cpp.llama.LlamaState
+    assert np.array_equal(loaded.input_ids, original.input_ids) and loaded.input_ids.dtype == np.intc
+    assert np.array_equal(loaded.scores, original.scores) and loaded.scores.dtype == np.single
+    assert (loaded.n_tokens, loaded.llama_state, loaded.llama_state_size, loaded.seed) == (
+        3, original.llama_state, original.llama_state_size, 42
+    )
+    assert not hasattr(loaded, "fingerprint")
+    (entry,) = cache.entries()
+    assert (entry.namespace, entry.n_tokens, entry.kind) == (disk.UNBOUND_NAMESPACE, 3, "llama_cpp")
+    # Only the informative score row is on disk: far less than the whole matrix.
+    assert entry.size < original.scores.nbytes + len(original.llama_state) + 2 * original.input_ids.nbytes + 400
+
+
+def test_llama_cpp_python_states_are_filed_by_fingerprint_then_binding(open_cache: Any) -> None:
+    cache = open_cache(write_behind=False)
+    cache[[1, 2]] = _upstream_state([1, 2], fingerprint="model-a")
+    cache.bind("model-b")
+    cache[[3, 4]] = _upstream_state([3, 4])
+    assert sorted(entry.namespace for entry in cache.entries()) == ["model-a", "model-b"]
+    assert [3, 4] in cache and [1, 2] not in cache
+    cache.bind("model-a")
+    assert cache[[1, 2]].fingerprint == "model-a"
+
+
+# -- the models of the namespaces ----------------------------------------------------------------
+
+
+def test_inspect_names_the_model_of_each_namespace(open_cache: Any) -> None:
+    cache = open_cache(write_behind=False)
+    cache.bind("model-a", model_info={"file": "tiny.gguf", "desc": "llama 135M Q4_1", "n_params": "134515008"})
+    cache[[1, 2, 3]] = make_state([1, 2, 3], fingerprint="model-a")
+    cache[[4]] = make_state([4], fingerprint="model-b")
+    assert cache.models() == {"model-a": {"file": "tiny.gguf", "desc": "llama 135M Q4_1", "n_params": "134515008"}}
+    parser = argparse.ArgumentParser()
+    add_inspect_command(parser.add_subparsers(dest="command"), [])
+    status, text = run_inspect(parser.parse_args(["inspect", str(cache.cache_dir)]))
+    assert status == 0
+    assert "namespace model-a (tiny.gguf, llama 135M Q4_1, 135M params): 1 entries" in text
+    assert "namespace model-b: 1 entries" in text
+    with pytest.raises(TypeError):
+        cache.bind("model-a", model_info={"file": 3})  # type: ignore[dict-item]
+    with pytest.raises(ValueError):
+        cache.bind(None, model_info={"file": "x"})
+
+
+_PLAIN_PROMPT = "Q: What is the capital of France?\nA:"
+
+_PLAIN_CHILD = textwrap.dedent(
+    """
+    import json, sys
+    import llama_cpp
+    import llama_cache
+    from llama_cache.caches.disk import LlamaDiskCache
+
+    llm = llama_cpp.Llama(model_path=str(llama_cache.default_model_path()), n_ctx=512, verbose=False, seed=0)
+    cache = LlamaDiskCache(sys.argv[1])
+    llm.set_cache(cache)
+    out = llm(sys.argv[2], max_tokens=16, temperature=0)
+    print(json.dumps([out["choices"][0]["text"], cache.stats().hits]))
+    """
+)
+
+
+@pytest.mark.model
+def test_a_plain_llama_cpp_llama_uses_the_disk_cache_unchanged(tmp_path: Path) -> None:
+    import llama_cpp
+
+    import llama_cache
+
+    model = str(llama_cache.default_model_path())
+    cold_llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
+    cold = cold_llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    del cold_llm
+    directory = tmp_path / "cache"
+    llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
+    cache = LlamaDiskCache(directory)
+    llm.set_cache(cache)  # the spec's example, unchanged
+    first = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    cache.flush()
+    files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
+    assert cache.stats().writes == 1 and len(files) == 1
+    second = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    stats = cache.stats()  # waits for the queued store
+    assert first == second == cold and stats.hits == 1
+    # The second completion stored the state it had just restored: nothing new was written.
+    assert stats.writes == 1 and sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst")) == files
+    cache.close()
+
+    result = _run_python(_PLAIN_CHILD, str(directory), _PLAIN_PROMPT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text, hits = json.loads(result.stdout)
+    assert text == cold and hits == 1
+
+    rebound = LlamaDiskCache(directory, write_behind=False)
+    rebound.bind(llm)  # a plain Llama's fingerprint and its model's name
+    assert rebound.fingerprint is not None and len(rebound.fingerprint) == 32
+    (info,) = rebound.models().values()
+    assert info["file"] == Path(model).name and int(info["n_params"]) > 0
+    rebound.close()
+
+
+@pytest.mark.model
+def test_after_a_pure_hit_a_completion_writes_no_new_payload(tmp_path: Path) -> None:
+    import llama_cache
+    from llama_cache.llama import Llama
+
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=512, verbose=False, seed=0)
+    directory = tmp_path / "cache"
+    cache = LlamaDiskCache(directory, fingerprint=llm.fingerprint)
+    llm.set_cache(cache)
+    first = llm.create_completion(_PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    cache.flush()
+    files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
+    writes = cache.stats().writes
+    assert writes == len(files) >= 1
+    llm.reset()
+    second = llm.create_completion(_PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert second == first and cache.stats().hits >= 1
+    assert cache.stats().writes == writes
+    assert sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst")) == files
+    cache.close()

@@ -2,7 +2,8 @@
 
 Layout of ``cache_dir``::
 
-    index.sqlite3 (+ -wal, -shm)   the index (SQLite in WAL mode): entries, a change log, metadata
+    index.sqlite3 (+ -wal, -shm)   the index (SQLite in WAL mode): entries, a change log, metadata,
+                                    the models of the namespaces
     data/ab/ab12...ef.llst          one immutable payload file per entry, in the format of
                                     :mod:`llama_cache.state.format` (optionally zlib-compressed)
 
@@ -10,10 +11,11 @@ Layout of ``cache_dir``::
 (``O_EXCL``; ``fsync`` optional); then the metadata is committed in one ``BEGIN IMMEDIATE``
 transaction that also deletes the rows of replaced and evicted entries; their files are unlinked only
 after ``COMMIT``. A crash at any instant therefore leaves either the old index or the new one, both
-naming complete files; at worst an uncommitted file is left behind, which :meth:`LlamaDiskCache.check`
-reports as an orphan and ``check(fix=True)`` removes. Without ``fsync`` a power loss can lose recent
-entries or leave a committed row naming a file whose bytes never reached the disk; the checksum makes
-that a miss, never a wrong state.
+naming complete files; at worst an uncommitted file is left behind: an orphan, which the next
+:class:`LlamaDiskCache` opened on the directory removes once it is older than
+``ORPHAN_GRACE_SECONDS`` (younger ones may be writes in progress), as ``check(fix=True)`` does. Without
+``fsync`` a power loss can lose recent entries or leave a committed row naming a file whose bytes
+never reached the disk; the checksum makes that a miss, never a wrong state.
 
 **Reads** take the best entry from an in-process :class:`~llama_cache.index.RadixIndex` (O(K) in the
 query length, no scan over entries), memory-map its file and decode it in place (no copy), verifying
@@ -23,6 +25,21 @@ a miss: logged at WARNING, the entry removed, the next best entry tried. Nothing
 Payload files are never modified once written, so a mapping stays valid even after its entry is
 evicted; a file truncated *in place* by something else while a state read from it is in use would
 fault the process (SIGBUS), as with any memory-mapped file.
+
+**The directory is untrusted input.** Whoever can write the index or the payload folder can spoil the
+cache (lookups then miss) but nothing more:
+
+- every row is validated before it is used (types, a key of whole int32 tokens, non-negative, a
+  payload name matching ``ab/<32 hex>.llst`` exactly, sizes within what a state with that many tokens
+  can be: ``_STATE_BASE_BYTES + _STATE_BYTES_PER_TOKEN`` per token, at most ``_MAX_STATE_BYTES``);
+  a row that does not validate is ignored, logged once at WARNING, and deleted by ``check(fix=True)``;
+- payloads are opened relative to the data folder's descriptor, each component with ``O_NOFOLLOW``
+  (a symbolic link anywhere below ``data/`` is never followed) and ``O_NONBLOCK`` (a FIFO never
+  blocks), and only regular files (``fstat``) are read; unlinks go through the same descriptors, so
+  nothing outside ``data/`` is ever removed;
+- decompression never produces more than the row's validated ``raw_size``;
+- a decoded state must hold the tokens of its row's key, in the row's namespace, of the row's kind:
+  a row pointed at another entry's payload is a miss, never a wrong state.
 
 **Several processes**: every change to the set of entries or to their recency appends a row to the
 ``changes`` table, whose ``seq`` increases monotonically. Each process applies the rows newer than the
@@ -37,13 +54,22 @@ nothing beyond the copy ``save_state`` already made) and a background thread enc
 commits it. Lookups, ``len``, ``cache_size`` and ``stats`` first wait for the writes queued before them,
 so a process always reads its own writes. The queue is bounded (``max_pending``): a caller producing
 states faster than the disk takes them waits. Queues are drained by :meth:`LlamaDiskCache.flush`,
-:meth:`LlamaDiskCache.close`, at interpreter exit and before ``fork``.
+:meth:`LlamaDiskCache.close`, at interpreter exit and before ``fork``. A state already stored under
+its key (same namespace, same tokens, logits if the new one has them) is not written again: the store
+only makes it the most recently used.
 
 **Namespaces**: an entry is filed under its state's ``fingerprint`` (the model and KV configuration
-that made it). A cache bound to a fingerprint (``fingerprint=`` or :meth:`LlamaDiskCache.bind`) answers
-only from that namespace, so one directory serves several models without ever handing one another's
+that made it). llama-cpp-python's own states carry no fingerprint unless ``llama_cache.Llama`` set one;
+they are filed under the cache's bound fingerprint, or under ``UNBOUND_NAMESPACE`` when the cache is
+unbound. A cache bound to a fingerprint (``fingerprint=`` or :meth:`LlamaDiskCache.bind`) answers only
+from that namespace, so one directory serves several models without ever handing one another's
 state. An unbound cache answers from every namespace (``llama_cache.Llama.load_state`` still refuses a
-foreign state, which is then a miss); bind it when a directory is shared between models.
+foreign state, which is then a miss); bind it when a directory is shared between models, including by
+plain ``llama_cpp.Llama`` instances: ``cache.bind(llm)``.
+
+**Cut or not**: transformer states (and llama-cpp-python's) can be cut back to a shorter prefix, so
+such an entry answers any query sharing a first token (longest common prefix). Recurrent and hybrid
+states cannot: such an entry answers only queries its whole key is a prefix of.
 """
 
 from __future__ import annotations
@@ -51,41 +77,80 @@ from __future__ import annotations
 import atexit
 import errno
 import hashlib
+import json
 import logging
+import math
 import mmap
 import os
 import re
 import secrets
 import sqlite3
+import stat
 import threading
 import time
 import weakref
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
-from llama_cache.index import RadixIndex
-from llama_cache.tokens import as_token_array
-from llama_cache.state.format import CorruptStateError, decode, encode, encoded_size
+from llama_cache.index import Match, RadixIndex
+from llama_cache.state.format import (
+    KIND_LLAMA_CACHE,
+    KIND_UPSTREAM,
+    CorruptStateError,
+    decode,
+    decode_upstream,
+    encode,
+    encode_upstream,
+    encoded_size,
+    payload_kind,
+)
 from llama_cache.state.llama_state import LlamaState
+from llama_cache.state.values import can_be_cut, filing_key, state_tokens
+from llama_cache.tokens import as_token_array
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["INDEX_FILE", "CheckReport", "DiskEntry", "LlamaDiskCache"]
+__all__ = [
+    "INDEX_FILE",
+    "UNBOUND_NAMESPACE",
+    "CacheDirectoryError",
+    "CheckReport",
+    "DiskEntry",
+    "LlamaDiskCache",
+]
 
 INDEX_FILE = "index.sqlite3"
 DATA_DIR = "data"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+UNBOUND_NAMESPACE = "llama-cpp-python"
+"""The namespace of llama-cpp-python states stored without a fingerprint into an unbound cache."""
+ORPHAN_GRACE_SECONDS = 600.0
+"""Orphan payload files older than this are removed when a cache opens the directory."""
 _SUFFIX = ".llst"
-_FILE_NAME = re.compile(r"^[0-9a-f]{2}/[0-9a-f]{32}\.llst$")
+_FILE_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.llst")
+_SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
+_CODECS = ("raw", "zlib")
+_DEFAULT_ZLIB_LEVEL = 6
+
+# Bounds on what the index may claim (everything read from it is untrusted).
+_MAX_NAMESPACE = 256  # characters of a namespace (fingerprints are 32)
+_MAX_KEY_TOKENS = 1 << 24
+_STATE_BASE_BYTES = 256 << 20  # recurrent memory, a logits row, headers...
+_STATE_BYTES_PER_TOKEN = 4 << 20  # KV per token of the largest models, or a scores row of a huge vocabulary
+_MAX_STATE_BYTES = 64 << 30
+_ZLIB_MAX_RATIO = 1032  # deflate cannot compress better than about 1032:1
+_MAX_MODEL_INFO = 16  # fields of a model description
+_MAX_MODEL_FIELD = 200  # characters of each
 
 _ADD, _TOUCH, _DELETE = 1, 2, 3  # change-log operations
 _TRIM_EVERY = 20_000  # log rows accumulated before a trim...
@@ -93,13 +158,25 @@ _TRIM_KEEP = 5_000  # ...which keeps this many (a process further behind rebuild
 _LOAD_ATTEMPTS = 8  # entries tried by one lookup before it gives up (each failure removes one)
 # Read-only shared mappings, pre-faulted where the platform can (the checksum reads every page anyway).
 _MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
+_O_READ = os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
 
+_ENTRY_COLUMNS = (
+    "id", "namespace", "key", "key_hash", "kind", "cut", "logits", "n_state", "file", "size", "raw_size",
+    "codec", "created", "accessed", "recency", "hits",
+)
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS entries (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         namespace TEXT NOT NULL,     -- the state's model fingerprint
         key BLOB NOT NULL,           -- the tokens, int32 little-endian
         key_hash BLOB NOT NULL,      -- blake2b-128 of key, for uniqueness
+        kind INTEGER NOT NULL,       -- 0 llama-cache LlamaState, 1 llama-cpp-python LlamaState
+        cut INTEGER NOT NULL,        -- 1 when the state can be cut back to a shorter prefix
+        logits INTEGER NOT NULL,     -- 1 when the state holds logits
+        n_state INTEGER NOT NULL,    -- tokens the state holds (the key is a prefix of them)
         file TEXT NOT NULL,          -- payload path relative to data/
         size INTEGER NOT NULL,       -- bytes of the payload file
         raw_size INTEGER NOT NULL,   -- bytes of the encoded state (size unless compressed)
@@ -120,16 +197,30 @@ _SCHEMA = (
     )""",
     "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
     "INSERT OR IGNORE INTO meta (name, value) VALUES ('floor', 0)",
+    """CREATE TABLE IF NOT EXISTS models (
+        fingerprint TEXT PRIMARY KEY, -- a namespace
+        info TEXT NOT NULL            -- JSON object of short strings: file, desc, n_params
+    )""",
 )
+_TABLES = ("entries", "changes", "meta", "models")
+_ROW = "id, namespace, key, kind, cut, logits, n_state, file, size, raw_size, codec, recency"
 
 # Changes newer than a seq, with what replaying them needs. Adds and touches join their entry: an
 # entry deleted since has no row, and its delete follows in the log.
 _REPLAY = """
-    SELECT c.seq, c.op, c.entry_id, c.namespace, c.key,
-           e.namespace, e.key, e.size, e.raw_size, e.file, e.codec
+    SELECT c.seq, c.op, c.entry_id, c.key,
+           e.id, e.namespace, e.key, e.kind, e.cut, e.logits, e.n_state, e.file, e.size, e.raw_size,
+           e.codec, e.recency
     FROM changes AS c LEFT JOIN entries AS e ON c.op != 3 AND e.id = c.entry_id
     WHERE c.seq > ? ORDER BY c.seq
 """
+
+
+class CacheDirectoryError(OSError):
+    """The cache directory cannot be used (not a directory, read-only, not a cache index, full...).
+
+    The message names the path. It subclasses :class:`OSError`.
+    """
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +238,8 @@ class DiskEntry:
         created: unix time it was stored.
         accessed: unix time of its last store or hit.
         hits: lookups it answered.
+        kind: ``"llama_cache"`` or ``"llama_cpp"`` (llama-cpp-python's ``LlamaState``).
+        can_be_cut: whether the state answers queries diverging from its key.
     """
 
     id: int
@@ -159,6 +252,8 @@ class DiskEntry:
     created: float
     accessed: float
     hits: int
+    kind: str = "llama_cache"
+    can_be_cut: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,18 +261,21 @@ class CheckReport:
     """What :meth:`LlamaDiskCache.check` found (and, with ``fix``, repaired).
 
     Attributes:
-        entries: rows in the index.
+        entries: rows in the index (malformed ones included).
         files: payload files in the data directory.
-        bytes_indexed: sum of the sizes the index records.
+        bytes_indexed: sum of the sizes the valid rows record.
         bytes_on_disk: sum of the payload files' real sizes (orphans included).
         orphan_files: files no entry names: left by a crash between writing and committing, or being
             written right now. Harmless (wasted space).
         missing_files: entries whose file is gone. Harmless to callers (a miss) but a defect.
-        size_mismatches: entries whose file length differs from the index's.
+        size_mismatches: entries whose file length differs from the index's (or that are not regular
+            files).
         corrupt_files: entries whose payload fails to decode (``deep`` checks only).
         index_ok: SQLite's ``quick_check`` passed.
-        removed_entries: entries deleted by ``fix``.
+        removed_entries: entries deleted by ``fix`` (malformed rows included).
         removed_files: orphan files deleted by ``fix`` (those older than the grace period).
+        malformed_rows: rows of the index that do not validate (``"table #id: reason"``); ignored by
+            lookups, deleted by ``fix``.
     """
 
     entries: int
@@ -191,11 +289,12 @@ class CheckReport:
     index_ok: bool
     removed_entries: int = 0
     removed_files: int = 0
+    malformed_rows: tuple[str, ...] = ()
 
     @property
     def problems(self) -> tuple[str, ...]:
-        """Entries that could hurt: rows naming a missing, resized or corrupt payload."""
-        return self.missing_files + self.size_mismatches + self.corrupt_files
+        """What could hurt: rows naming a missing, resized or corrupt payload, and malformed rows."""
+        return self.missing_files + self.size_mismatches + self.corrupt_files + self.malformed_rows
 
     @property
     def ok(self) -> bool:
@@ -206,10 +305,12 @@ class CheckReport:
 class _Entry:
     """What a process keeps in memory per entry (the key lives in the radix index, not here)."""
 
-    __slots__ = ("id", "namespace", "size", "raw_size", "file", "codec", "recency")
+    __slots__ = ("id", "namespace", "size", "raw_size", "file", "codec", "recency", "kind", "cut", "logits",
+                 "n_state", "n_key")
 
     def __init__(
-        self, id: int, namespace: str, size: int, raw_size: int, file: str, codec: str, recency: int
+        self, id: int, namespace: str, size: int, raw_size: int, file: str, codec: str, recency: int,
+        kind: int, cut: bool, logits: bool, n_state: int, n_key: int,
     ) -> None:
         self.id = id
         self.namespace = namespace
@@ -218,6 +319,11 @@ class _Entry:
         self.file = file
         self.codec = codec
         self.recency = recency
+        self.kind = kind
+        self.cut = cut
+        self.logits = logits
+        self.n_state = n_state
+        self.n_key = n_key
 
 
 class _Unreadable(Exception):
@@ -226,6 +332,113 @@ class _Unreadable(Exception):
     def __init__(self, reason: str, missing: bool = False) -> None:
         super().__init__(reason)
         self.missing = missing
+
+
+class _BadRow(Exception):
+    """A row of the index that does not validate."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _state_cap(n_key: int) -> int:
+    """The most bytes an encoded state filed under a key of ``n_key`` tokens may take."""
+    return min(_MAX_STATE_BYTES, _STATE_BASE_BYTES + n_key * _STATE_BYTES_PER_TOKEN)
+
+
+def _entry_from_row(row: Sequence[Any]) -> tuple[_Entry, npt.NDArray[np.int32]]:
+    """Validate one ``entries`` row (columns of ``_ROW``) and return its entry and key.
+
+    Raises:
+        _BadRow: anything about the row is wrong.
+    """
+    if len(row) != 12:
+        raise _BadRow("wrong number of columns")
+    entry_id, namespace, key, kind, cut, logits, n_state, file, size, raw_size, codec, recency = row
+    if not _is_int(entry_id):
+        raise _BadRow("id is not an integer")
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= _MAX_NAMESPACE:
+        raise _BadRow("namespace is not a short non-empty text")
+    if not isinstance(key, bytes) or len(key) % 4 or len(key) > 4 * _MAX_KEY_TOKENS:
+        raise _BadRow("key is not a blob of int32 tokens")
+    tokens = _tokens(key)
+    if len(tokens) and int(tokens.min()) < 0:
+        raise _BadRow("key holds a negative token")
+    if kind not in (KIND_LLAMA_CACHE, KIND_UPSTREAM) or not _is_int(kind):
+        raise _BadRow("unknown kind")
+    if cut not in (0, 1) or logits not in (0, 1) or not _is_int(cut) or not _is_int(logits):
+        raise _BadRow("cut/logits are not 0 or 1")
+    if kind == KIND_UPSTREAM and not cut:
+        raise _BadRow("a llama-cpp-python state is always cut")
+    if not _is_int(n_state) or not len(tokens) <= n_state <= _MAX_KEY_TOKENS:
+        raise _BadRow("n_state is not a token count at least the key's")
+    if not isinstance(file, str) or not _FILE_NAME.fullmatch(file):
+        raise _BadRow("file is not a payload name")
+    cap = _state_cap(len(tokens))
+    if not _is_int(size) or not 0 < size <= cap:
+        raise _BadRow("size out of bounds")
+    if codec not in _CODECS or not isinstance(codec, str):
+        raise _BadRow("unknown codec")
+    if not _is_int(raw_size) or not 0 < raw_size <= cap:
+        raise _BadRow("raw_size out of bounds")
+    if codec == "raw" and raw_size != size:
+        raise _BadRow("raw payload whose raw_size differs from its size")
+    if codec == "zlib" and raw_size > size * _ZLIB_MAX_RATIO + 1024:
+        raise _BadRow("raw_size beyond what the compressed size can hold")
+    if not _is_int(recency):
+        raise _BadRow("recency is not an integer")
+    entry = _Entry(entry_id, namespace, size, raw_size, file, codec, recency, kind, bool(cut), bool(logits),
+                   n_state, len(tokens))
+    return entry, tokens
+
+
+def _model_info_from_row(fingerprint: Any, info: Any) -> dict[str, str]:
+    """Validate one ``models`` row. Raises _BadRow."""
+    if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= _MAX_NAMESPACE:
+        raise _BadRow("fingerprint is not a short non-empty text")
+    if not isinstance(info, str) or len(info) > 8 * _MAX_MODEL_INFO * _MAX_MODEL_FIELD:
+        raise _BadRow("info is not a short text")
+    try:
+        parsed = json.loads(info)
+    except ValueError:
+        raise _BadRow("info is not JSON") from None
+    try:
+        return _check_model_info(parsed)
+    except (TypeError, ValueError) as error:
+        raise _BadRow(str(error)) from None
+
+
+def _check_model_info(info: object) -> dict[str, str]:
+    """A model description: a mapping of at most 16 short strings to short strings.
+
+    Raises:
+        TypeError, ValueError: it is not one.
+    """
+    if not isinstance(info, Mapping):
+        raise TypeError(f"model_info must be a mapping of str to str, got {type(info).__name__}")
+    if len(info) > _MAX_MODEL_INFO:
+        raise ValueError(f"model_info has more than {_MAX_MODEL_INFO} fields")
+    out: dict[str, str] = {}
+    for name, value in info.items():
+        if not isinstance(name, str) or not isinstance(value, str):
+            raise TypeError("model_info must map str to str")
+        if not name or len(name) > _MAX_MODEL_FIELD or len(value) > _MAX_MODEL_FIELD:
+            raise ValueError(f"model_info field {name[:40]!r} is empty or too long")
+        out[name] = value
+    return out
+
+
+def describe_model(llm: llama_cpp.Llama) -> dict[str, str]:
+    """What a person needs to recognise a loaded model: its file name, description and parameter count."""
+    model = llm._model.model
+    description = llama_cpp.ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(model, description, 256)
+    return {
+        "file": os.path.basename(str(llm.model_path)),
+        "desc": description.value.decode("utf-8", "replace"),
+        "n_params": str(int(llama_cpp.llama_model_n_params(model))),
+    }
 
 
 def _write_all(fd: int, data: Any) -> None:
@@ -265,28 +478,170 @@ def _tokens(blob: bytes) -> npt.NDArray[np.int32]:
     return np.frombuffer(blob, dtype="<i4")
 
 
+class _DataDir:
+    """The payload folder, reached only through directory descriptors opened with ``O_NOFOLLOW``.
+
+    No path under it is ever resolved by the kernel across a symbolic link, names are checked against
+    the payload pattern, and reads open only regular files, without blocking. POSIX only (``dir_fd``).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @contextmanager
+    def _subdir(self, subdir: str, create: bool = False) -> Iterator[int]:
+        if not _SUBDIR_NAME.fullmatch(subdir):
+            raise ValueError(f"not a payload folder name: {subdir!r}")
+        data_fd = os.open(self.path, _O_DIR)
+        try:
+            if create:
+                try:
+                    os.mkdir(subdir, 0o755, dir_fd=data_fd)
+                except FileExistsError:
+                    pass
+            fd = os.open(subdir, _O_DIR, dir_fd=data_fd)
+        finally:
+            os.close(data_fd)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _split(name: str) -> tuple[str, str]:
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
+            raise ValueError(f"not a payload name: {name!r}")
+        subdir, base = name.split("/")
+        return subdir, base
+
+    def open_regular(self, name: str) -> tuple[int, int]:
+        """Open a payload for reading; return its descriptor and size.
+
+        Raises:
+            FileNotFoundError: it does not exist.
+            _Unreadable: it is not a regular file (or a link, a FIFO, a folder...).
+            OSError: it cannot be opened.
+        """
+        subdir, base = self._split(name)
+        with self._subdir(subdir) as dir_fd:
+            try:
+                fd = os.open(base, _O_READ, dir_fd=dir_fd)
+            except OSError as error:
+                if error.errno == errno.ELOOP:
+                    raise _Unreadable("payload is a symbolic link") from None
+                raise
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise _Unreadable("payload is not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, info.st_size
+
+    @contextmanager
+    def create(self, name: str) -> Iterator[tuple[int, int]]:
+        """Create a new payload (it must not exist); yield its descriptor and its folder's."""
+        subdir, base = self._split(name)
+        os.makedirs(self.path, exist_ok=True)
+        with self._subdir(subdir, create=True) as dir_fd:
+            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644,
+                         dir_fd=dir_fd)
+            try:
+                yield fd, dir_fd
+            except BaseException:
+                os.close(fd)
+                _unlink_at(dir_fd, base, name)
+                raise
+            os.close(fd)
+
+    def unlink(self, name: str) -> bool:
+        """Remove a payload (never following a link, never outside the folder). Errors are logged."""
+        try:
+            subdir, base = self._split(name)
+            with self._subdir(subdir) as dir_fd:
+                return _unlink_at(dir_fd, base, name)
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as error:
+            logger.warning("disk cache: could not remove %s: %s", name, error)
+            return False
+
+    def list(self) -> dict[str, tuple[int, float]]:
+        """Payload-named entries under the folder: name -> (size, mtime). Links and folders included
+        (as size -1), so that they are reported and removable; nothing is followed."""
+        found: dict[str, tuple[int, float]] = {}
+        try:
+            data_fd = os.open(self.path, _O_DIR)
+        except (FileNotFoundError, NotADirectoryError):
+            return found
+        except OSError as error:
+            logger.warning("disk cache: cannot list %s: %s", self.path, error)
+            return found
+        try:
+            subdirs = [e.name for e in os.scandir(data_fd) if _SUBDIR_NAME.fullmatch(e.name)]
+        except OSError as error:
+            logger.warning("disk cache: cannot list %s: %s", self.path, error)
+            return found
+        finally:
+            os.close(data_fd)
+        for subdir in subdirs:
+            try:
+                with self._subdir(subdir) as dir_fd:
+                    for child in os.scandir(dir_fd):
+                        name = f"{subdir}/{child.name}"
+                        if not _FILE_NAME.fullmatch(name):
+                            continue
+                        try:
+                            info = child.stat(follow_symlinks=False)
+                        except FileNotFoundError:
+                            continue
+                        size = info.st_size if stat.S_ISREG(info.st_mode) else -1
+                        found[name] = (size, info.st_mtime)
+            except OSError:  # a link or a file where a folder should be, or gone meanwhile
+                continue
+        return found
+
+
+def _unlink_at(dir_fd: int, base: str, name: str) -> bool:
+    try:
+        os.unlink(base, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        logger.warning("disk cache: could not remove %s: %s", name, error)
+        return False
+
+
 class LlamaDiskCache(BaseLlamaCache):
     """A persistent LRU cache of model states in a directory, shared safely by several processes.
 
-    ``cache[query]`` returns the state of the stored key sharing the longest non-empty common prefix
-    with ``query`` (even if it diverges afterwards or runs past the query's end), ties going to the
-    most recently used entry; it raises ``KeyError`` when no key shares a first token. ``key in
-    cache`` asks the same without touching recency. The lookup costs O(K) in the query length,
-    whatever the number of entries, plus mapping and checksumming the payload on a hit.
+    ``cache[query]`` returns the state of the best stored entry for ``query``, ties going to the most
+    recently used entry: among entries whose state can be cut back (transformer KV, llama-cpp-python's
+    states), the key sharing the longest non-empty common prefix with ``query`` (even if it diverges
+    afterwards or runs past the query's end); among the others (recurrent and hybrid states), the
+    longest key that is a prefix of ``query``. It raises ``KeyError`` when none qualifies. ``key in
+    cache`` asks the same without touching recency. The lookup costs O(K) in the query length per
+    namespace searched, whatever the number of entries, plus mapping and checksumming the payload.
 
     Capacity is real bytes on disk (the payload files; the SQLite index is not charged):
     ``cache_size`` never exceeds ``capacity_bytes``. Storing evicts least recently used entries until
     the new one fits; a state larger than the whole capacity is not stored (``stats().rejected``). The
     LRU order and the capacity are shared by every process using the directory (each evicts with the
     ``capacity_bytes`` it was given). ``len``, ``cache_size`` and ``stats().entries`` cover every
-    namespace in the directory; hits, misses, evictions and rejections are this instance's.
+    namespace in the directory; hits, misses, evictions, rejections, writes and store errors are this
+    instance's.
 
-    Values must be llama-cache :class:`~llama_cache.state.llama_state.LlamaState`\\ s (what
-    ``llama_cache.Llama.save_state`` returns). I/O failures while storing (a full disk, a locked
-    index) are logged and the state is simply not cached: the caller never sees them.
+    Values are llama-cache :class:`~llama_cache.state.llama_state.LlamaState`\\ s (what
+    ``llama_cache.Llama.save_state`` returns) or llama-cpp-python's ``llama_cpp.llama.LlamaState`` (what
+    a plain ``llama_cpp.Llama`` saves; restored as that type). A state is filed under
+    :func:`~llama_cache.state.values.filing_key`. Storing never raises for the value: anything that
+    cannot be stored (another type, a state without a fingerprint, I/O errors, a full disk) is logged
+    and counted in ``stats().store_errors``; only a bad key raises.
 
     All methods are thread-safe; nothing is printed. See the module docstring for the on-disk
-    protocol, write-behind and namespaces.
+    protocol, write-behind, namespaces and what a hostile writer of the directory can (not) do.
 
     Args:
         cache_dir: the directory (created if missing).
@@ -298,14 +653,17 @@ class LlamaDiskCache(BaseLlamaCache):
         max_pending: states queued for the writer before ``cache[key] = state`` waits.
         fsync: ``fsync`` each payload file and its directory before committing, and commit the index
             with ``synchronous=FULL``: entries then survive a power loss, not only a crash.
-        compress: a zlib level (1-9) to compress payloads with, or None (default: model states barely
-            compress and decompression defeats zero-copy reads; see ``benchmarks/disk.py``).
+        compress: ``"zlib"`` (level 6) or a zlib level 1..9 to compress payloads with, or None
+            (default: model states barely compress and decompression defeats zero-copy reads; see
+            ``benchmarks/disk.py``).
         verify: check each payload's checksum when it is read (default). Turning it off saves one pass
             over the bytes but lets a damaged payload reach llama.cpp.
-        timeout: seconds to wait for another process's index transaction before giving up.
+        timeout: seconds (finite, > 0) to wait for another process's index transaction.
 
     Raises:
-        TypeError, ValueError: a bad ``capacity_bytes``, ``max_pending`` or ``compress``.
+        TypeError, ValueError: a bad argument.
+        CacheDirectoryError: ``cache_dir`` cannot hold a cache (not a directory, read-only, an index
+            that is not an SQLite database or of a newer schema); an :class:`OSError` naming the path.
     """
 
     def __init__(
@@ -318,48 +676,66 @@ class LlamaDiskCache(BaseLlamaCache):
         write_behind: bool = True,
         max_pending: int = 8,
         fsync: bool = False,
-        compress: int | None = None,
+        compress: int | str | None = None,
         verify: bool = True,
         timeout: float = 30.0,
     ) -> None:
         super().__init__(capacity_bytes)
-        if not isinstance(max_pending, int) or isinstance(max_pending, bool) or max_pending < 1:
-            raise ValueError(f"max_pending must be a positive int, got {max_pending!r}")
-        if compress is not None and (not isinstance(compress, int) or not 1 <= compress <= 9):
-            raise ValueError(f"compress must be None or a zlib level 1..9, got {compress!r}")
-        if fingerprint is not None and not isinstance(fingerprint, str):
-            raise TypeError(f"fingerprint must be a str or None, got {type(fingerprint).__name__}")
-        self.cache_dir = Path(cache_dir)
+        if not isinstance(cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir must be a str or a path, got {type(cache_dir).__name__}")
+        directory = os.fspath(cache_dir)
+        if not isinstance(directory, str):
+            raise TypeError("cache_dir must be a text path, not bytes")
+        if not directory:
+            raise ValueError("cache_dir must not be empty (use '.' for the working directory)")
+        if not isinstance(max_pending, int) or isinstance(max_pending, bool):
+            raise TypeError(f"max_pending must be an int, got {type(max_pending).__name__}")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be positive, got {max_pending}")
+        for name, flag in (("write_behind", write_behind), ("fsync", fsync), ("verify", verify)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        level = _compress_level(compress)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout must be finite and positive, got {timeout!r}")
+        _check_fingerprint(fingerprint)
+        self.cache_dir = Path(directory)
         self.verbose = verbose
         self.write_behind = bool(write_behind)
         self.max_pending = max_pending
         self.fsync = bool(fsync)
-        self.compress = compress
+        self.compress = level
         self.verify = bool(verify)
         self.timeout = float(timeout)
         self._namespace = fingerprint
         self._data_dir = self.cache_dir / DATA_DIR
+        self._data = _DataDir(self._data_dir)
         self._db_path = self.cache_dir / INDEX_FILE
         # Per-process state (rebuilt after fork): the connection and what it has replayed.
         self._pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
         self._data_version = -1
         self._last_seq = 0
-        self._indexes: dict[str, RadixIndex[_Entry]] = {}
+        self._indexes: dict[tuple[str, bool], RadixIndex[_Entry]] = {}
         self._entries: dict[int, _Entry] = {}
         self._lru: OrderedDict[int, None] = OrderedDict()  # entry ids, least recently used first
         self._bytes = 0
+        self._bad_rows: set[tuple[str, int]] = set()  # malformed rows already logged
         # This instance's counters.
         self._hits = self._misses = self._evictions = self._rejected = self._write_errors = 0
-        # Write-behind queue.
+        self._writes = self._store_errors = 0
+        # Write-behind queue: (key, value, namespace, kind).
         self._cond = threading.Condition()
-        self._queue: deque[tuple[npt.NDArray[np.int32], LlamaState]] = deque()
+        self._queue: deque[tuple[npt.NDArray[np.int32], Any, str, int]] = deque()
         self._submitted = 0
         self._completed = 0
         self._writer: threading.Thread | None = None
         self._fork_locked = False
         with self._lock:
             self._connection()  # fail early on an unusable directory
+        self._reclaim_orphans(ORPHAN_GRACE_SECONDS)
         _LIVE.add(self)
 
     # ---------------------------------------------------------------------------------- namespaces
@@ -369,15 +745,73 @@ class LlamaDiskCache(BaseLlamaCache):
         """The namespace lookups are answered from, or None for every namespace."""
         return self._namespace
 
-    def bind(self, fingerprint: str | None) -> None:
+    def bind(self, fingerprint: str | llama_cpp.Llama | None, *, model_info: Mapping[str, str] | None = None) -> None:
         """Answer lookups only from entries made by the model with this fingerprint (None: any).
 
-        Stores are unaffected: a state is always filed under its own fingerprint.
+        Stores of llama-cache states are unaffected (a state is filed under its own fingerprint);
+        llama-cpp-python states without a fingerprint are filed under the bound one.
+
+        Args:
+            fingerprint: a model fingerprint, or a loaded ``llama_cpp.Llama`` (its
+                :func:`~llama_cache.state.fingerprint.model_fingerprint` is used, and its file name,
+                description and parameter count are recorded unless ``model_info`` is given), or None.
+            model_info: a short description of the model (str to str, e.g. ``file``, ``desc``,
+                ``n_params``), recorded in the index for ``llama-cache inspect``.
+
+        Raises:
+            TypeError, ValueError: a bad fingerprint or model description.
         """
-        if fingerprint is not None and not isinstance(fingerprint, str):
-            raise TypeError(f"fingerprint must be a str or None, got {type(fingerprint).__name__}")
+        if isinstance(fingerprint, llama_cpp.Llama):
+            llm = fingerprint
+            own = getattr(llm, "fingerprint", None)
+            if isinstance(own, str) and own:
+                fingerprint = own
+            else:
+                from llama_cache.state.fingerprint import model_fingerprint
+
+                fingerprint = model_fingerprint(llm)
+            if model_info is None:
+                model_info = describe_model(llm)
+        _check_fingerprint(fingerprint)
+        info = _check_model_info(model_info) if model_info is not None else None
+        if info is not None and fingerprint is None:
+            raise ValueError("model_info needs a fingerprint")
         with self._lock:
             self._namespace = fingerprint
+            if info is not None and fingerprint is not None:
+                self._record_model(fingerprint, info)
+
+    def _record_model(self, fingerprint: str, info: dict[str, str]) -> None:
+        """Record a namespace's model description. Lock held; errors are logged."""
+        text = json.dumps(info, sort_keys=True)
+        try:
+            conn = self._connection()
+            row = conn.execute("SELECT info FROM models WHERE fingerprint = ?", (fingerprint,)).fetchone()
+            if row is not None and row[0] == text:
+                return
+            with _transaction(conn):
+                conn.execute("INSERT OR REPLACE INTO models (fingerprint, info) VALUES (?, ?)", (fingerprint, text))
+        except sqlite3.Error as error:
+            logger.warning("disk cache: could not record the model of %s: %s", fingerprint, error)
+
+    def models(self) -> dict[str, dict[str, str]]:
+        """The model descriptions recorded by :meth:`bind`: fingerprint -> {file, desc, n_params...}.
+
+        Rows that do not validate are left out (logged once).
+        """
+        out: dict[str, dict[str, str]] = {}
+        try:
+            with self._lock:
+                rows = self._connection().execute("SELECT rowid, fingerprint, info FROM models").fetchall()
+        except sqlite3.Error as error:
+            logger.warning("disk cache: index unavailable (%s)", error)
+            return out
+        for rowid, fingerprint, info in rows:
+            try:
+                out[fingerprint] = _model_info_from_row(fingerprint, info)
+            except _BadRow as problem:
+                self._log_bad_row("models", rowid, str(problem))
+        return out
 
     # --------------------------------------------------------------------------------- the mapping
 
@@ -386,17 +820,17 @@ class LlamaDiskCache(BaseLlamaCache):
         """Bytes of the payload files of every entry in the directory (after pending writes)."""
         self._wait_for_writes()
         with self._lock:
-            self._sync()
+            self._sync_or_log()
             return self._bytes
 
     def __len__(self) -> int:
         self._wait_for_writes()
         with self._lock:
-            self._sync()
+            self._sync_or_log()
             return len(self._entries)
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
-        """Whether a stored key shares a first token with ``key``; touches neither recency nor counters.
+        """Whether an entry would answer ``key``; touches neither recency nor counters.
 
         The payload is not read: ``cache[key]`` can still miss if it turns out to be damaged.
         """
@@ -406,27 +840,27 @@ class LlamaDiskCache(BaseLlamaCache):
             with self._lock:
                 self._sync()
                 return self._best(query) is not None
-        except sqlite3.Error as error:
+        except Exception as error:  # noqa: BLE001 - a damaged index is a "no", never an error
             logger.warning("disk cache: index unavailable (%s); answering no", error)
             return False
 
-    def __getitem__(self, key: Sequence[int]) -> LlamaState:
+    def __getitem__(self, key: Sequence[int]) -> Any:
         """Return the state of the best entry for ``key`` and make that entry the most recently used.
 
-        The state's arrays are read-only views of the memory-mapped payload file (no copy).
+        A llama-cache state's arrays are read-only views of the memory-mapped payload file (no copy);
+        a llama-cpp-python state is rebuilt as its own ``LlamaState`` type.
 
         Raises:
-            KeyError: no stored key shares a first token with ``key``, or every candidate's payload
-                was damaged (each such entry is logged and removed), or the index is unavailable
-                (logged).
+            KeyError: no entry answers ``key``, or every candidate's payload was damaged (each such
+                entry is logged and removed), or the index is unavailable or damaged (logged).
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
         query = as_token_array(key)
         self._wait_for_writes()
         try:
             state = self._lookup(query)
-        except sqlite3.Error as error:
-            logger.warning("disk cache: index unavailable (%s); a miss", error)
+        except Exception as error:  # noqa: BLE001 - whatever the directory holds, a lookup only misses
+            logger.warning("disk cache: index unavailable or damaged (%s: %s); a miss", type(error).__name__, error)
             state = None
         if state is None:
             with self._lock:
@@ -434,15 +868,16 @@ class LlamaDiskCache(BaseLlamaCache):
             raise KeyError("no cached prefix for this key")
         return state
 
-    def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
+    def _lookup(self, query: npt.NDArray[np.int32]) -> Any:
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
                 self._sync()
-                entry = self._best(query)
-            if entry is None:
+                match = self._best(query)
+            if match is None:
                 return None
+            entry = match.value
             try:
-                state = self._load(entry)
+                state = self._load(entry, np.asarray(match.key, dtype=np.int32))
             except _Unreadable as problem:
                 self._forget_unreadable(entry, problem)
                 continue
@@ -452,27 +887,66 @@ class LlamaDiskCache(BaseLlamaCache):
             return state
         return None
 
-    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
-        """Store ``value`` under ``key`` (in its fingerprint's namespace), replacing any entry there.
+    def __setitem__(self, key: Sequence[int], value: Any) -> None:
+        """Store ``value`` under ``key`` (filed under :func:`~llama_cache.state.values.filing_key`).
 
         With write-behind the call only queues the state (waiting if ``max_pending`` are queued).
-        Least recently used entries are evicted until it fits; a state larger than the capacity is not
-        stored and the entry it would replace is dropped. I/O errors are logged, never raised.
+        An entry holding the same tokens under that key (with logits if ``value`` has them) is only
+        made the most recently used. Otherwise least recently used entries are evicted until the
+        state fits; a state larger than the capacity is not stored (``stats().rejected``) and the
+        entry it would replace is dropped. A value that cannot be stored is logged and counted in
+        ``stats().store_errors``, never raised.
 
         Raises:
-            TypeError: ``value`` is not a llama-cache ``LlamaState``, or ``key`` not token ids.
-            ValueError: a token id is out of range.
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        tokens = as_token_array(key).copy()
-        if not isinstance(value, LlamaState):
-            raise TypeError(
-                f"LlamaDiskCache stores llama_cache LlamaState values (from llama_cache.Llama), "
-                f"not {type(value).__name__}"
-            )
+        tokens = as_token_array(key)
+        try:
+            kind, namespace, filed = self._classify(tokens, value)
+        except (TypeError, ValueError, AttributeError) as error:
+            with self._lock:
+                self._store_errors += 1
+            logger.warning("disk cache: not caching a %s: %s", type(value).__name__, error)
+            return
         if self.write_behind:
-            self._enqueue(tokens, value)
+            self._enqueue(filed, value, namespace, kind)
         else:
-            self._store(tokens, value)
+            self._store(filed, value, namespace, kind)
+
+    def _classify(self, tokens: npt.NDArray[np.int32], value: Any) -> tuple[int, str, npt.NDArray[np.int32]]:
+        """The kind, namespace and filing key of a value to store.
+
+        Raises:
+            TypeError, ValueError: the value cannot be stored.
+        """
+        if isinstance(value, LlamaState):
+            kind = KIND_LLAMA_CACHE
+            namespace = value.fingerprint
+            if not isinstance(namespace, str) or not 0 < len(namespace) <= _MAX_NAMESPACE:
+                raise ValueError("the state has no fingerprint")
+        elif isinstance(value, llama_cpp.llama.LlamaState):
+            kind = KIND_UPSTREAM
+            own = getattr(value, "fingerprint", None)
+            if isinstance(own, str) and own:
+                namespace = own
+            else:
+                namespace = self._namespace if self._namespace is not None else UNBOUND_NAMESPACE
+            if len(namespace) > _MAX_NAMESPACE:
+                raise ValueError("fingerprint too long")
+        else:
+            raise TypeError("not a llama_cache or llama_cpp LlamaState")
+        held = state_tokens(value)
+        if held is None:
+            raise ValueError("the state does not say which tokens it holds")
+        held = np.asarray(held)
+        if held.dtype.kind not in "iu" or (len(held) and (int(held.min()) < 0 or int(held.max()) >= 2**31)):
+            raise ValueError("the state holds token ids outside [0, 2**31)")
+        filed = filing_key(tokens, value)
+        if len(held) < len(filed) or not np.array_equal(held[: len(filed)], filed):
+            raise ValueError("the state does not hold the tokens of its key")
+        if len(held) > _MAX_KEY_TOKENS:
+            raise ValueError("the state holds too many tokens")
+        return kind, namespace, np.array(filed, dtype=np.int32)
 
     def __delitem__(self, key: Sequence[int]) -> None:
         """Remove the entries stored under exactly ``key`` (in the bound namespace, or in all).
@@ -486,30 +960,47 @@ class LlamaDiskCache(BaseLlamaCache):
             self._sync()
             victims = [
                 entry
-                for namespace, index in self._indexes.items()
+                for (namespace, _), index in self._indexes.items()
                 if self._namespace in (None, namespace) and (entry := index.get(tokens)) is not None
             ]
             if not victims:
                 raise KeyError("no state stored under exactly this key")
             self._delete(victims)
 
+    def _valid_rows(self, order: str = "recency") -> list[tuple[_Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:
+        """Every valid row of the entries table with its extra columns (created, accessed, hits). Lock held."""
+        out = []
+        for row in self._connection().execute(f"SELECT {_ROW}, created, accessed, hits FROM entries ORDER BY {order}"):
+            try:
+                entry, tokens = _entry_from_row(row[:12])
+            except _BadRow as problem:
+                self._log_bad_row("entries", row[0], str(problem))
+                continue
+            out.append((entry, tokens, row[12:]))
+        return out
+
     def keys(self) -> Iterator[tuple[int, ...]]:
         """Stored keys of the bound namespace (all when unbound), least recently used first (a snapshot)."""
         self._wait_for_writes()
         with self._lock:
-            conn = self._connection()
-            rows = conn.execute("SELECT namespace, key FROM entries ORDER BY recency").fetchall()
-        return iter([tuple(_tokens(blob).tolist()) for ns, blob in rows if self._namespace in (None, ns)])
+            rows = self._valid_rows()
+        return iter([tuple(tokens.tolist()) for entry, tokens, _ in rows if self._namespace in (None, entry.namespace)])
 
     def entries(self) -> list[DiskEntry]:
-        """Every entry of the directory (all namespaces), least recently used first."""
+        """Every valid entry of the directory (all namespaces), least recently used first."""
         self._wait_for_writes()
         with self._lock:
-            rows = self._connection().execute(
-                "SELECT id, namespace, length(key) / 4, size, raw_size, codec, file, created, accessed, hits "
-                "FROM entries ORDER BY recency"
-            ).fetchall()
-        return [DiskEntry(*row) for row in rows]
+            rows = self._valid_rows()
+        out = []
+        for entry, _, (created, accessed, hits) in rows:
+            out.append(
+                DiskEntry(
+                    entry.id, entry.namespace, entry.n_key, entry.size, entry.raw_size, entry.codec, entry.file,
+                    _as_float(created), _as_float(accessed), hits if _is_int(hits) else 0,
+                    "llama_cpp" if entry.kind == KIND_UPSTREAM else "llama_cache", entry.cut,
+                )
+            )
+        return out
 
     def clear(self) -> None:
         """Remove every entry of the directory (all namespaces). Counters are kept."""
@@ -519,10 +1010,10 @@ class LlamaDiskCache(BaseLlamaCache):
             self._delete([self._entries[i] for i in self._lru])
 
     def stats(self) -> CacheStats:
-        """This instance's hits, misses, evictions and rejections; the directory's entries and bytes."""
+        """This instance's counters; the directory's entries and bytes."""
         self._wait_for_writes()
         with self._lock:
-            self._sync()
+            self._sync_or_log()
             return CacheStats(
                 hits=self._hits,
                 misses=self._misses,
@@ -531,6 +1022,8 @@ class LlamaDiskCache(BaseLlamaCache):
                 capacity_bytes=self.capacity_bytes,
                 evictions=self._evictions,
                 rejected=self._rejected,
+                writes=self._writes,
+                store_errors=self._store_errors,
             )
 
     @property
@@ -570,47 +1063,69 @@ class LlamaDiskCache(BaseLlamaCache):
     def check(self, fix: bool = False, *, deep: bool = False, grace_seconds: float = 60.0) -> CheckReport:
         """Reconcile the index with the payload files.
 
-        Finds orphan files (named by no entry), entries whose file is missing or has another length than
-        recorded, and with ``deep`` entries whose payload does not decode (reads every file). With
-        ``fix`` the bad entries are deleted (through the change log, so other processes follow) and
-        orphan files older than ``grace_seconds`` are unlinked: younger ones may belong to a write in
-        progress in another process.
+        Finds malformed rows (see the module docstring), orphan files (named by no entry), entries whose
+        file is missing, is not a regular file or has another length than recorded, and with ``deep``
+        entries whose payload does not decode (reads every file). With ``fix`` the bad entries and
+        malformed rows are deleted (through the change log, so other processes follow) and orphan files
+        older than ``grace_seconds`` are unlinked: younger ones may belong to a write in progress in
+        another process. Never raises for what the directory holds; an unavailable index is logged and
+        reported as ``index_ok=False``.
 
         Returns:
             A :class:`CheckReport` of what was found (and removed).
         """
+        if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or math.isnan(grace_seconds):
+            raise TypeError("grace_seconds must be a number")
         self._wait_for_writes()
-        with self._lock:
-            conn = self._connection()
-            self._sync()
-            rows = conn.execute("SELECT id, file, size FROM entries").fetchall()
-            index_ok = conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        try:
+            with self._lock:
+                conn = self._connection()
+                self._sync_or_log()
+                raw_rows = conn.execute(f"SELECT {_ROW} FROM entries").fetchall()
+                model_rows = conn.execute("SELECT rowid, fingerprint, info FROM models").fetchall()
+                index_ok = conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        except sqlite3.Error as error:
+            logger.warning("check: index unavailable: %s", error)
+            return CheckReport(0, 0, 0, 0, (), (), (), (), False)
+        rows: list[_Entry] = []
+        malformed: list[tuple[str, int, str]] = []
+        named: set[Any] = set()
+        for row in raw_rows:
+            named.add(row[7])
+            try:
+                rows.append(_entry_from_row(row)[0])
+            except _BadRow as problem:
+                malformed.append(("entries", row[0], str(problem)))
+        for rowid, fingerprint, info in model_rows:
+            try:
+                _model_info_from_row(fingerprint, info)
+            except _BadRow as problem:
+                malformed.append(("models", rowid, str(problem)))
         # Rows are read before the directory is listed: a file committed in between is then an
         # orphan younger than the grace period, never a "missing" file of a good entry.
-        files = self._list_files()
-        named = {file for _, file, _ in rows}
+        files = self._data.list()
         missing: list[tuple[int, str]] = []
         mismatched: list[tuple[int, str]] = []
         corrupt: list[tuple[int, str]] = []
-        for entry_id, file, size in rows:
-            found = files.get(file)
+        for entry in rows:
+            found = files.get(entry.file)
             if found is None:
-                missing.append((entry_id, file))
-            elif found[0] != size:
-                mismatched.append((entry_id, file))
+                missing.append((entry.id, entry.file))
+            elif found[0] != entry.size:
+                mismatched.append((entry.id, entry.file))
             elif deep:
                 with self._lock:
-                    entry = self._entries.get(entry_id)
-                if entry is not None:
+                    live = self._entries.get(entry.id)
+                if live is not None:
                     try:
-                        self._load(entry)
+                        self._load(live, None)
                     except _Unreadable:
-                        corrupt.append((entry_id, file))
+                        corrupt.append((entry.id, entry.file))
         # Rows evicted by another process while we looked are not problems.
         suspects = missing + mismatched + corrupt
         if suspects:
             with self._lock:
-                self._sync()
+                self._sync_or_log()
                 alive = {i for i, _ in suspects if i in self._entries}
             missing = [m for m in missing if m[0] in alive]
             mismatched = [m for m in mismatched if m[0] in alive]
@@ -620,28 +1135,24 @@ class LlamaDiskCache(BaseLlamaCache):
         if fix:
             bad = {i for i, _ in missing + mismatched + corrupt}
             with self._lock:
-                self._sync()
+                self._sync_or_log()
                 victims = [self._entries[i] for i in bad if i in self._entries]
                 removed_entries = len(self._delete(victims))
+                removed_entries += self._delete_malformed(malformed)
             now = time.time()
             with self._lock:
-                self._sync()
+                self._sync_or_log()
                 still_named = {entry.file for entry in self._entries.values()}
             for file in orphans:
                 if file in still_named or now - files[file][1] < grace_seconds:
                     continue
-                try:
-                    os.unlink(self._data_dir / file)
+                if self._data.unlink(file):
                     removed_files += 1
-                except FileNotFoundError:
-                    pass
-                except OSError as error:
-                    logger.warning("check: could not remove orphan %s: %s", file, error)
         return CheckReport(
-            entries=len(rows),
+            entries=len(raw_rows),
             files=len(files),
-            bytes_indexed=sum(size for _, _, size in rows),
-            bytes_on_disk=sum(size for size, _ in files.values()),
+            bytes_indexed=sum(entry.size for entry in rows),
+            bytes_on_disk=sum(max(size, 0) for size, _ in files.values()),
             orphan_files=tuple(orphans),
             missing_files=tuple(file for _, file in missing),
             size_mismatches=tuple(file for _, file in mismatched),
@@ -649,48 +1160,85 @@ class LlamaDiskCache(BaseLlamaCache):
             index_ok=index_ok,
             removed_entries=removed_entries,
             removed_files=removed_files,
+            malformed_rows=tuple(f"{table} #{rowid}: {reason}" for table, rowid, reason in malformed),
         )
 
-    def _list_files(self) -> dict[str, tuple[int, float]]:
-        """Payload files under the data directory: relative name -> (size, mtime)."""
-        found: dict[str, tuple[int, float]] = {}
+    def _delete_malformed(self, malformed: list[tuple[str, int, str]]) -> int:
+        """Delete malformed rows (their files, not trusted, are left to the orphan sweep). Lock held."""
+        if not malformed:
+            return 0
+        removed = 0
         try:
-            subdirs = list(os.scandir(self._data_dir))
-        except FileNotFoundError:
-            return found
-        for subdir in subdirs:
-            if not subdir.is_dir(follow_symlinks=False):
-                continue
-            try:
-                children = list(os.scandir(subdir.path))
-            except FileNotFoundError:
-                continue
-            for child in children:
-                name = f"{subdir.name}/{child.name}"
-                if not _FILE_NAME.match(name):
-                    continue
-                try:
-                    info = child.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                found[name] = (info.st_size, info.st_mtime)
-        return found
+            conn = self._connection()
+            with _transaction(conn):
+                for table, rowid, _ in malformed:
+                    if table == "entries":
+                        conn.execute(
+                            "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?", (_DELETE, rowid)
+                        )
+                        removed += conn.execute("DELETE FROM entries WHERE id = ?", (rowid,)).rowcount
+                    else:
+                        conn.execute("DELETE FROM models WHERE rowid = ?", (rowid,))
+        except sqlite3.Error as error:
+            logger.warning("check: could not delete malformed rows: %s", error)
+            return 0
+        self._sync_or_log(force=True)
+        return removed
+
+    def _reclaim_orphans(self, grace_seconds: float) -> None:
+        """Remove payload files no row names and older than ``grace_seconds`` (a crash's leftovers)."""
+        try:
+            files = self._data.list()
+            if not files:
+                return
+            with self._lock:
+                named = {row[0] for row in self._connection().execute("SELECT file FROM entries")}
+        except (sqlite3.Error, OSError) as error:
+            logger.warning("disk cache: could not look for orphan files: %s", error)
+            return
+        now = time.time()
+        removed = 0
+        for file, (size, mtime) in files.items():
+            if file not in named and now - mtime >= grace_seconds and self._data.unlink(file):
+                removed += 1
+        if removed:
+            logger.info("disk cache: removed %d orphan payload files (left by interrupted writes)", removed)
 
     # --------------------------------------------------------------------------- index in memory
 
-    def _best(self, query: npt.NDArray[np.int32]) -> _Entry | None:
-        """The entry answering ``query``: longest common prefix, then most recent. Lock held."""
-        if self._namespace is not None:
-            index = self._indexes.get(self._namespace)
-            match = index.longest_common_prefix(query) if index is not None else None
-            return None if match is None else match.value
-        best: _Entry | None = None
-        best_rank = (0, 0)
-        for index in self._indexes.values():
-            match = index.longest_common_prefix(query)
-            if match is not None and (match.common, match.value.recency) > best_rank:
-                best, best_rank = match.value, (match.common, match.value.recency)
+    def _best(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
+        """The match answering ``query`` (see the class docstring), most recent on ties. Lock held."""
+        best: Match[_Entry] | None = None
+        rank = (-1, 0)
+        for (namespace, cut), index in self._indexes.items():
+            if self._namespace is not None and namespace != self._namespace:
+                continue
+            match = index.longest_common_prefix(query) if cut else index.longest_prefix(query)
+            if match is not None and (match.common, match.value.recency) > rank:
+                best, rank = match, (match.common, match.value.recency)
         return best
+
+    def _exact(self, namespace: str, tokens: npt.NDArray[np.int32]) -> _Entry | None:
+        """The entry stored under exactly ``tokens`` in ``namespace``. Lock held."""
+        for cut in (True, False):
+            index = self._indexes.get((namespace, cut))
+            entry = index.get(tokens) if index is not None else None
+            if entry is not None:
+                return entry
+        return None
+
+    def _log_bad_row(self, table: str, rowid: Any, reason: str) -> None:
+        marker = (table, rowid if _is_int(rowid) else -1)
+        if marker not in self._bad_rows:
+            self._bad_rows.add(marker)
+            logger.warning("disk cache: ignoring malformed %s row #%s in %s: %s", table, rowid, self._db_path, reason)
+
+    def _sync_or_log(self, force: bool = False) -> None:
+        """:meth:`_sync`, logging an unavailable index instead of raising (the last view stays). Lock held."""
+        try:
+            self._sync(force)
+        except sqlite3.Error as error:
+            logger.warning("disk cache: index unavailable (%s)", error)
 
     def _sync(self, force: bool = False) -> None:
         """Apply the changes other connections committed since the last sync. Lock held.
@@ -712,46 +1260,71 @@ class LlamaDiskCache(BaseLlamaCache):
             conn.execute("COMMIT")
 
     def _replay(self, conn: sqlite3.Connection) -> None:
-        floor = conn.execute("SELECT value FROM meta WHERE name = 'floor'").fetchone()[0]
-        if self._last_seq < floor:
+        floor = _floor(conn)
+        if floor is None or self._last_seq < floor:
             self._rebuild(conn)
             return
-        for seq, op, entry_id, _del_ns, del_key, ns, key, size, raw_size, file, codec in conn.execute(
-            _REPLAY, (self._last_seq,)
-        ):
+        try:
+            self._replay_rows(conn)
+        except (_BadRow, ValueError, TypeError, KeyError, IndexError) as error:
+            logger.warning("disk cache: change log out of step with the entries (%s); rebuilding", error)
+            self._rebuild(conn)
+
+    def _replay_rows(self, conn: sqlite3.Connection) -> None:
+        for row in conn.execute(_REPLAY, (self._last_seq,)):
+            seq, op, entry_id, del_key = row[:4]
+            if not _is_int(seq) or not _is_int(entry_id) or op not in (_ADD, _TOUCH, _DELETE):
+                self._log_bad_row("changes", seq, "unknown operation or entry")
+                if _is_int(seq):
+                    self._last_seq = seq
+                continue
             if op == _ADD:
-                if ns is not None and entry_id not in self._entries:
-                    self._add_local(_Entry(entry_id, ns, size, raw_size, file, codec, seq), _tokens(key))
+                if row[4] is not None and entry_id not in self._entries:
+                    try:
+                        entry, tokens = _entry_from_row(row[4:])
+                    except _BadRow as problem:
+                        self._log_bad_row("entries", entry_id, str(problem))
+                    else:
+                        entry.recency = seq
+                        self._add_local(entry, tokens)
             elif op == _TOUCH:
                 entry = self._entries.get(entry_id)
-                if entry is not None and key is not None:
+                if entry is not None and row[4] is not None:
+                    key = row[6]
+                    if not isinstance(key, bytes) or len(key) != 4 * entry.n_key:
+                        raise _BadRow(f"entry {entry_id} changed its key")
                     entry.recency = seq
                     self._lru.move_to_end(entry_id)
-                    try:
-                        self._indexes[entry.namespace].touch(_tokens(key))
-                    except KeyError:  # pragma: no cover - the index and the entries agree
-                        logger.error("disk cache index out of step; rebuilding")
-                        self._rebuild(conn)
-                        return
-            elif op == _DELETE:
-                entry = self._entries.pop(entry_id, None)
+                    self._indexes[(entry.namespace, entry.cut)].touch(_tokens(key))
+            else:
+                entry = self._entries.get(entry_id)
                 if entry is not None:
+                    if not isinstance(del_key, bytes) or len(del_key) != 4 * entry.n_key:
+                        raise _BadRow(f"the delete of entry {entry_id} names another key")
+                    tokens = _tokens(del_key)
+                    index = self._indexes[(entry.namespace, entry.cut)]
+                    if index.get(tokens) is not entry:
+                        raise _BadRow(f"the delete of entry {entry_id} names another key")
+                    self._entries.pop(entry_id)
                     del self._lru[entry_id]
                     self._bytes -= entry.size
-                    index = self._indexes[entry.namespace]
-                    tokens = _tokens(del_key)
-                    if index.get(tokens) is entry:
-                        index.remove(tokens)
+                    index.remove(tokens)
                     if not len(index):
-                        del self._indexes[entry.namespace]
+                        del self._indexes[(entry.namespace, entry.cut)]
             self._last_seq = seq
 
     def _add_local(self, entry: _Entry, tokens: npt.NDArray[np.int32]) -> None:
-        index = self._indexes.get(entry.namespace)
+        # One key per namespace (the UNIQUE constraint): an entry of the other cut kind under the same
+        # key can only be a stale or forged row; the newer one wins.
+        other = self._indexes.get((entry.namespace, not entry.cut))
+        stale = other.get(tokens) if other is not None else None
+        if stale is not None:
+            self._drop_local(stale, tokens)
+        index = self._indexes.get((entry.namespace, entry.cut))
         if index is None:
-            index = self._indexes[entry.namespace] = RadixIndex()
+            index = self._indexes[(entry.namespace, entry.cut)] = RadixIndex()
         old = index.insert(tokens, entry)
-        if old is not None and old is not entry:  # pragma: no cover - deletes precede re-adds
+        if old is not None and old is not entry:  # deletes precede re-adds, unless rows were forged
             self._entries.pop(old.id, None)
             self._lru.pop(old.id, None)
             self._bytes -= old.size
@@ -759,18 +1332,33 @@ class LlamaDiskCache(BaseLlamaCache):
         self._lru[entry.id] = None
         self._bytes += entry.size
 
+    def _drop_local(self, entry: _Entry, tokens: npt.NDArray[np.int32]) -> None:
+        index = self._indexes[(entry.namespace, entry.cut)]
+        index.remove(tokens)
+        if not len(index):
+            del self._indexes[(entry.namespace, entry.cut)]
+        self._entries.pop(entry.id, None)
+        self._lru.pop(entry.id, None)
+        self._bytes -= entry.size
+
     def _rebuild(self, conn: sqlite3.Connection) -> None:
         """Rebuild the in-memory index from the entries table (in the caller's read transaction)."""
         self._indexes = {}
         self._entries = {}
         self._lru = OrderedDict()
         self._bytes = 0
-        row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
-        self._last_seq = row[0] if row else 0
-        for entry_id, ns, key, size, raw_size, file, codec, recency in conn.execute(
-            "SELECT id, namespace, key, size, raw_size, file, codec, recency FROM entries ORDER BY recency"
-        ):
-            self._add_local(_Entry(entry_id, ns, size, raw_size, file, codec, recency), _tokens(key))
+        row = conn.execute("SELECT max(seq) FROM changes").fetchone()
+        self._last_seq = row[0] if row and _is_int(row[0]) else 0
+        floor = _floor(conn)
+        if floor is not None and floor > self._last_seq:
+            self._last_seq = floor
+        for row in conn.execute(f"SELECT {_ROW} FROM entries ORDER BY recency"):
+            try:
+                entry, tokens = _entry_from_row(row)
+            except _BadRow as problem:
+                self._log_bad_row("entries", row[0], str(problem))
+                continue
+            self._add_local(entry, tokens)
 
     # ------------------------------------------------------------------------------- connection
 
@@ -784,43 +1372,86 @@ class LlamaDiskCache(BaseLlamaCache):
         return self._conn
 
     def _open(self) -> None:
-        os.makedirs(self._data_dir, exist_ok=True)
-        conn = sqlite3.connect(
-            self._db_path, timeout=self.timeout, isolation_level=None, check_same_thread=False
-        )
+        """Open (creating if needed) the directory and its index.
+
+        Raises:
+            CacheDirectoryError: the directory or its index cannot be used.
+        """
         try:
-            deadline = time.monotonic() + self.timeout
-            while True:  # switching to WAL needs a moment without other writers
-                try:
-                    mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-                    break
-                except sqlite3.OperationalError as error:
-                    if "locked" not in str(error) or time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.01)
-            if str(mode).lower() != "wal":
-                raise sqlite3.OperationalError(f"cannot use WAL mode on {self._db_path} (got {mode})")
-            conn.execute(f"PRAGMA synchronous = {'FULL' if self.fsync else 'NORMAL'}")
-            with _transaction(conn):
-                version = conn.execute("PRAGMA user_version").fetchone()[0]
-                if version not in (0, SCHEMA_VERSION):
-                    raise ValueError(
-                        f"{self._db_path} has index schema version {version}; this llama-cache "
-                        f"reads {SCHEMA_VERSION}"
-                    )
-                for statement in _SCHEMA:
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-            conn.execute("BEGIN")
-            try:
-                self._rebuild(conn)
-            finally:
-                conn.execute("COMMIT")
-            self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
+            os.makedirs(self._data_dir, exist_ok=True)
+            if not self.cache_dir.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        except OSError as error:
+            raise CacheDirectoryError(
+                error.errno, f"cannot use {str(self.cache_dir)!r} as a disk cache directory: {error.strerror or error}"
+            ) from None
+        try:
+            conn = sqlite3.connect(self._db_path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as error:
+            raise CacheDirectoryError(f"cannot open the disk cache index {str(self._db_path)!r}: {error}") from None
+        try:
+            self._prepare(conn)
+        except sqlite3.Error as error:
+            conn.close()
+            raise CacheDirectoryError(f"cannot use the disk cache index {str(self._db_path)!r}: {error}") from None
         except BaseException:
             conn.close()
             raise
         self._conn = conn
+
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:  # switching to WAL needs a moment without other writers
+            try:
+                mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+                break
+            except sqlite3.OperationalError as error:
+                if "locked" not in str(error) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot use WAL mode (got {mode})")
+        conn.execute(f"PRAGMA synchronous = {'FULL' if self.fsync else 'NORMAL'}")
+        with _transaction(conn):
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if _is_int(version) and version > SCHEMA_VERSION:
+                raise CacheDirectoryError(
+                    f"{str(self._db_path)!r} has index schema version {version}; this llama-cache reads "
+                    f"{SCHEMA_VERSION} (use another directory, or upgrade llama-cache)"
+                )
+            if version not in (0, SCHEMA_VERSION) or not self._schema_ok(conn):
+                # An older or damaged schema: it is a cache, so start it again (the old payloads become
+                # orphans, removed by the sweep once older than the grace period).
+                logger.warning(
+                    "disk cache: %s has index schema version %s or unexpected tables; rebuilding it empty",
+                    self._db_path, version,
+                )
+                for table in _TABLES:
+                    conn.execute(f"DROP TABLE IF EXISTS {table}")
+            for statement in _SCHEMA:
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        conn.execute("BEGIN")
+        try:
+            self._rebuild(conn)
+        finally:
+            conn.execute("COMMIT")
+        self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
+
+    @staticmethod
+    def _schema_ok(conn: sqlite3.Connection) -> bool:
+        """Whether existing tables have the columns this version expects (absent tables are created)."""
+        expected = {
+            "entries": list(_ENTRY_COLUMNS),
+            "changes": ["seq", "op", "entry_id", "namespace", "key"],
+            "meta": ["name", "value"],
+            "models": ["fingerprint", "info"],
+        }
+        for table, columns in expected.items():
+            found = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
+            if found and found != columns:
+                return False
+        return True
 
     def _reset_after_fork(self) -> None:
         """In a forked child: drop everything tied to the parent's process (never touch its SQLite)."""
@@ -838,41 +1469,60 @@ class LlamaDiskCache(BaseLlamaCache):
 
     # ----------------------------------------------------------------------------------- reading
 
-    def _load(self, entry: _Entry) -> LlamaState:
-        """Read and decode an entry's payload. No lock needed: payload files never change.
+    def _load(self, entry: _Entry, key: npt.NDArray[np.int32] | None) -> Any:
+        """Read, decode and check an entry's payload. No lock needed: payload files never change.
+
+        Args:
+            entry: a validated entry.
+            key: its key (None: do not compare the state's tokens with it).
 
         Raises:
-            _Unreadable: the file is missing, has the wrong length, or does not decode.
+            _Unreadable: the file is missing, not a regular file, has the wrong length, does not
+                decode, or does not hold what its row says.
         """
-        path = self._data_dir / entry.file
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd, size = self._data.open_regular(entry.file)
         except FileNotFoundError:
             raise _Unreadable("payload file is missing", missing=True) from None
-        except OSError as error:
+        except (OSError, ValueError) as error:
             raise _Unreadable(f"cannot open payload: {error}") from None
         try:
-            size = os.fstat(fd).st_size
             if size != entry.size:
                 raise _Unreadable(f"payload is {size} bytes, the index says {entry.size}")
             if entry.codec == "raw":
                 buffer: Any = _map_read_only(fd, size)
-            elif entry.codec == "zlib":
-                buffer = _inflate(_read_all(fd, size), entry.raw_size)
             else:
-                raise _Unreadable(f"unknown codec {entry.codec!r}")
-        except (OSError, ValueError) as error:  # ValueError: mmap of an empty file
+                buffer = _inflate(_read_all(fd, size), entry.raw_size)
+        except (OSError, ValueError, OverflowError, MemoryError) as error:  # ValueError: mmap of an empty file
             raise _Unreadable(f"cannot read payload: {error}") from None
         finally:
             os.close(fd)
         try:
-            state = decode(buffer, verify=self.verify)
+            kind = payload_kind(buffer)
+            if kind != entry.kind:
+                raise _Unreadable(f"payload of kind {kind}, the index says {entry.kind}")
+            if kind == KIND_UPSTREAM:
+                state, namespace = decode_upstream(buffer, verify=self.verify)
+                fingerprint = getattr(state, "fingerprint", None)
+                cut, logits = True, bool(np.any(state.scores))
+                held: npt.NDArray[Any] = state.input_ids[: state.n_tokens]
+                if fingerprint is not None and fingerprint != namespace:
+                    raise _Unreadable("payload's fingerprint differs from its namespace")
+            else:
+                state = decode(buffer, verify=self.verify)
+                namespace, cut, logits, held = state.fingerprint, can_be_cut(state), state.logits is not None, state.tokens
+        except _Unreadable:
+            raise
         except CorruptStateError as error:
             raise _Unreadable(f"corrupt payload: {error}") from None
         except Exception as error:  # noqa: BLE001 - odd bytes past the checksum must stay a miss
             raise _Unreadable(f"undecodable payload: {type(error).__name__}: {error}") from None
-        if state.fingerprint != entry.namespace:
+        if namespace != entry.namespace:
             raise _Unreadable("payload belongs to another model than its index entry")
+        if cut != entry.cut or logits != entry.logits or len(held) != entry.n_state:
+            raise _Unreadable("payload does not hold what its index entry says")
+        if key is not None and (len(key) != entry.n_key or not np.array_equal(held[: len(key)], key)):
+            raise _Unreadable("payload does not hold the tokens of its key")
         return state
 
     def _forget_unreadable(self, entry: _Entry, problem: _Unreadable) -> None:
@@ -884,7 +1534,7 @@ class LlamaDiskCache(BaseLlamaCache):
             logger.warning("disk cache: dropping entry %s (%s): %s", entry.id, entry.file, problem)
             self._delete([entry])
 
-    def _touch(self, entry_id: int) -> None:
+    def _touch(self, entry_id: int, hit: bool = True) -> None:
         """Make an entry the most recently used, for every process. Lock held; errors are logged."""
         conn = self._connection()
         try:
@@ -895,21 +1545,21 @@ class LlamaDiskCache(BaseLlamaCache):
                 )
                 if cursor.rowcount:
                     conn.execute(
-                        "UPDATE entries SET recency = ?, accessed = ?, hits = hits + 1 WHERE id = ?",
-                        (cursor.lastrowid, time.time(), entry_id),
+                        "UPDATE entries SET recency = ?, accessed = ?, hits = hits + ? WHERE id = ?",
+                        (cursor.lastrowid, time.time(), 1 if hit else 0, entry_id),
                     )
         except sqlite3.Error as error:
             logger.warning("disk cache: could not record a hit: %s", error)
             return
-        self._sync(force=True)
+        self._sync_or_log(force=True)
 
     # ----------------------------------------------------------------------------------- writing
 
-    def _enqueue(self, tokens: npt.NDArray[np.int32], state: LlamaState) -> None:
+    def _enqueue(self, tokens: npt.NDArray[np.int32], value: Any, namespace: str, kind: int) -> None:
         with self._cond:
             while len(self._queue) >= self.max_pending:
                 self._cond.wait()
-            self._queue.append((tokens, state))
+            self._queue.append((tokens, value, namespace, kind))
             self._submitted += 1
             if self._writer is None or not self._writer.is_alive():
                 self._writer = threading.Thread(
@@ -930,12 +1580,14 @@ class LlamaDiskCache(BaseLlamaCache):
                         self._writer = None
                     self._cond.notify_all()
                     return
-                tokens, state = self._queue.popleft()
+                item = self._queue.popleft()
                 self._cond.notify_all()
             try:
-                self._store(tokens, state)
+                self._store(*item)
             except Exception:  # noqa: BLE001 - the writer must outlive one bad state; logged
-                self._write_errors += 1
+                with self._lock:
+                    self._write_errors += 1
+                    self._store_errors += 1
                 logger.exception("disk cache: unexpected error while storing a state")
             finally:
                 with self._cond:
@@ -956,10 +1608,15 @@ class LlamaDiskCache(BaseLlamaCache):
                     if not self._queue:
                         self._completed = self._submitted
                         break
-                    tokens, state = self._queue.popleft()
+                    item = self._queue.popleft()
                     self._cond.release()
                     try:
-                        self._store(tokens, state)
+                        self._store(*item)
+                    except Exception:  # noqa: BLE001 - as in the writer thread
+                        with self._lock:
+                            self._write_errors += 1
+                            self._store_errors += 1
+                        logger.exception("disk cache: unexpected error while storing a state")
                     finally:
                         self._cond.acquire()
                         self._completed += 1
@@ -967,20 +1624,56 @@ class LlamaDiskCache(BaseLlamaCache):
                     continue
                 self._cond.wait(timeout=1.0)
 
-    def _store(self, tokens: npt.NDArray[np.int32], state: LlamaState) -> None:
+    def _store(self, tokens: npt.NDArray[np.int32], value: Any, namespace: str, kind: int) -> None:
         """Write one state's payload, then commit it. Runs in the writer thread or the caller's."""
-        namespace = state.fingerprint
-        parts = encode(state)
+        n_state = int(value.n_tokens)
+
+        def has_logits() -> bool:  # a scan of the scores for llama-cpp-python's states: only when needed
+            if kind == KIND_UPSTREAM:
+                return bool(np.any(np.asarray(value.scores)))
+            return value.logits is not None
+
+        # A store that would only rewrite what is there touches the entry instead (decided in memory).
+        try:
+            with self._lock:
+                self._sync()
+                old = self._exact(namespace, tokens)
+                if old is not None and old.kind == kind and old.n_state == n_state and (old.logits or not has_logits()):
+                    self._touch(old.id, hit=False)
+                    return
+        except sqlite3.Error as error:
+            with self._lock:
+                self._write_errors += 1
+                self._store_errors += 1
+            logger.warning("disk cache: index unavailable (%s); state not cached", error)
+            return
+        try:
+            parts = encode_upstream(value, namespace) if kind == KIND_UPSTREAM else encode(value)
+        except (TypeError, ValueError, AttributeError) as error:
+            with self._lock:
+                self._store_errors += 1
+            logger.warning("disk cache: not caching a %s: %s", type(value).__name__, error)
+            return
         raw_size = encoded_size(parts)
+        cut = kind == KIND_UPSTREAM or can_be_cut(value)
+        if raw_size > _state_cap(len(tokens)):
+            with self._lock:
+                self._store_errors += 1
+            logger.warning(
+                "disk cache: not caching a %d-byte state for %d tokens: above the %d bytes any reader accepts",
+                raw_size, len(tokens), _state_cap(len(tokens)),
+            )
+            return
         if self.compress is None and raw_size > self.capacity_bytes:
             self._reject(namespace, tokens, raw_size)
             return
         name = f"{secrets.token_hex(1)}/{secrets.token_hex(16)}{_SUFFIX}"
         try:
-            size = self._write_payload(self._data_dir / name, parts)
+            size = self._write_payload(name, parts)
         except OSError as error:
             with self._lock:
                 self._write_errors += 1
+                self._store_errors += 1
             level = logging.WARNING
             if error.errno in (errno.ENOSPC, errno.EDQUOT):
                 logger.log(level, "disk cache: no space left for a %d-byte state; not cached", raw_size)
@@ -988,16 +1681,15 @@ class LlamaDiskCache(BaseLlamaCache):
                 logger.log(level, "disk cache: could not write a state (%s); not cached", error)
             return
         if size > self.capacity_bytes:
-            _unlink(self._data_dir / name)
+            self._data.unlink(name)
             self._reject(namespace, tokens, size)
             return
-        self._commit(namespace, tokens, name, size, raw_size)
+        row = (kind, int(cut), int(has_logits()), n_state)
+        self._commit(namespace, tokens, name, size, raw_size, row)
 
-    def _write_payload(self, path: Path, parts: list[memoryview]) -> int:
-        """Create ``path`` (which must not exist) holding ``parts``; remove it on any failure."""
-        os.makedirs(path.parent, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
+    def _write_payload(self, name: str, parts: list[memoryview]) -> int:
+        """Create the payload ``name`` (which must not exist) holding ``parts``; remove it on any failure."""
+        with self._data.create(name) as (fd, dir_fd):
             if self.compress is None:
                 for part in parts:
                     _write_all(fd, part)
@@ -1014,16 +1706,13 @@ class LlamaDiskCache(BaseLlamaCache):
                 size += len(tail)
             if self.fsync:
                 os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink(path)
-            raise
-        os.close(fd)
-        if self.fsync:
-            _fsync_dir(path.parent)
+                os.fsync(dir_fd)
         return size
 
-    def _commit(self, namespace: str, tokens: npt.NDArray[np.int32], name: str, size: int, raw_size: int) -> None:
+    def _commit(
+        self, namespace: str, tokens: npt.NDArray[np.int32], name: str, size: int, raw_size: int,
+        row: tuple[int, int, int, int],
+    ) -> None:
         """Commit a written payload: replace the same key, evict LRU entries, then unlink their files."""
         blob = _key_blob(tokens)
         now = time.time()
@@ -1032,8 +1721,7 @@ class LlamaDiskCache(BaseLlamaCache):
                 conn = self._connection()
                 with _transaction(conn):
                     self._sync(force=True)  # under the write lock: the local view equals the index
-                    index = self._indexes.get(namespace)
-                    old = index.get(tokens) if index is not None else None
+                    old = self._exact(namespace, tokens)
                     victims = [old] if old is not None else []
                     total = self._bytes - (old.size if old is not None else 0)
                     evicted = 0
@@ -1049,13 +1737,21 @@ class LlamaDiskCache(BaseLlamaCache):
                     # each completion that hit it.
                     hits = 0
                     if old is not None:
-                        row = conn.execute("SELECT hits FROM entries WHERE id = ?", (old.id,)).fetchone()
-                        hits = int(row[0]) if row is not None else 0
+                        found = conn.execute("SELECT hits FROM entries WHERE id = ?", (old.id,)).fetchone()
+                        hits = found[0] if found is not None and _is_int(found[0]) and found[0] >= 0 else 0
                     self._delete_rows(conn, victims)
+                    # A malformed row holding this key (not in memory) would break UNIQUE: it goes too.
+                    key_hash = _key_hash(blob)
+                    conn.execute(
+                        "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE namespace = ? AND key_hash = ?",
+                        (_DELETE, namespace, key_hash),
+                    )
+                    conn.execute("DELETE FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, key_hash))
                     cursor = conn.execute(
-                        "INSERT INTO entries (namespace, key, key_hash, file, size, raw_size, codec, created, "
-                        "accessed, recency, hits) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                        (namespace, blob, _key_hash(blob), name, size, raw_size,
+                        "INSERT INTO entries (namespace, key, key_hash, kind, cut, logits, n_state, file, size, "
+                        "raw_size, codec, created, accessed, recency, hits) "
+                        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                        (namespace, blob, key_hash, *row, name, size, raw_size,
                          "raw" if self.compress is None else "zlib", now, now, hits),
                     )
                     entry_id = cursor.lastrowid
@@ -1067,16 +1763,15 @@ class LlamaDiskCache(BaseLlamaCache):
                     self._maybe_trim(conn, seq)
             except sqlite3.Error as error:
                 self._write_errors += 1
+                self._store_errors += 1
                 logger.warning("disk cache: could not commit a state (%s); not cached", error)
-                _unlink(self._data_dir / name)
+                self._data.unlink(name)
                 return
             self._evictions += evicted
-            try:
-                self._sync(force=True)
-            except sqlite3.Error as error:  # committed; the next operation catches up
-                logger.warning("disk cache: could not re-read the index after a commit: %s", error)
+            self._writes += 1
+            self._sync_or_log(force=True)  # committed; on failure the next operation catches up
         for victim in victims:  # only now that no committed row names them
-            _unlink(self._data_dir / victim.file)
+            self._data.unlink(victim.file)
 
     def _reject(self, namespace: str, tokens: npt.NDArray[np.int32], size: int) -> None:
         logger.info(
@@ -1091,8 +1786,7 @@ class LlamaDiskCache(BaseLlamaCache):
             except sqlite3.Error as error:
                 logger.warning("disk cache: index unavailable (%s)", error)
                 return
-            index = self._indexes.get(namespace)
-            old = index.get(tokens) if index is not None else None
+            old = self._exact(namespace, tokens)
             if old is not None:
                 self._delete([old])
 
@@ -1104,16 +1798,16 @@ class LlamaDiskCache(BaseLlamaCache):
         """
         if not victims:
             return []
-        conn = self._connection()
         try:
+            conn = self._connection()
             with _transaction(conn):
                 deleted = self._delete_rows(conn, victims)
         except sqlite3.Error as error:
             logger.warning("disk cache: could not delete %d entries: %s", len(victims), error)
             return []
-        self._sync(force=True)
+        self._sync_or_log(force=True)
         for victim in deleted:
-            _unlink(self._data_dir / victim.file)
+            self._data.unlink(victim.file)
         return deleted
 
     @staticmethod
@@ -1132,8 +1826,10 @@ class LlamaDiskCache(BaseLlamaCache):
 
     @staticmethod
     def _maybe_trim(conn: sqlite3.Connection, seq: int) -> None:
-        floor = conn.execute("SELECT value FROM meta WHERE name = 'floor'").fetchone()[0]
-        if seq - floor >= _TRIM_EVERY:
+        floor = _floor(conn)
+        if floor is None:  # damaged: every process rebuilds once, then the log continues from here
+            conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('floor', ?)", (seq,))
+        elif seq - floor >= _TRIM_EVERY:
             floor = seq - _TRIM_KEEP
             conn.execute("DELETE FROM changes WHERE seq <= ?", (floor,))
             conn.execute("UPDATE meta SET value = ? WHERE name = 'floor'", (floor,))
@@ -1152,6 +1848,44 @@ class LlamaDiskCache(BaseLlamaCache):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.cache_dir)!r}, capacity_bytes={self.capacity_bytes})"
+
+
+def _compress_level(compress: object) -> int | None:
+    """Validate ``compress``: None, ``"zlib"`` (level 6) or a zlib level 1..9.
+
+    Raises:
+        TypeError, ValueError: anything else (``True`` included: say which level).
+    """
+    if compress is None:
+        return None
+    if compress == "zlib" and isinstance(compress, str):
+        return _DEFAULT_ZLIB_LEVEL
+    if isinstance(compress, bool) or not isinstance(compress, (int, str)):
+        raise TypeError(f"compress must be None, 'zlib' or a zlib level 1..9, got {compress!r}")
+    if isinstance(compress, str) or not 1 <= compress <= 9:
+        raise ValueError(f"compress must be None, 'zlib' or a zlib level 1..9, got {compress!r}")
+    return compress
+
+
+def _check_fingerprint(fingerprint: object) -> None:
+    if fingerprint is None:
+        return
+    if not isinstance(fingerprint, str):
+        raise TypeError(f"fingerprint must be a str or None, got {type(fingerprint).__name__}")
+    if not 0 < len(fingerprint) <= _MAX_NAMESPACE:
+        raise ValueError(f"fingerprint must be 1..{_MAX_NAMESPACE} characters")
+
+
+def _floor(conn: sqlite3.Connection) -> int | None:
+    """The change-log trim point, or None when the meta row is missing or damaged."""
+    row = conn.execute("SELECT value FROM meta WHERE name = 'floor'").fetchone()
+    if row is None or not _is_int(row[0]) or row[0] < 0:
+        return None
+    return int(row[0])
+
+
+def _as_float(value: object) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else 0.0
 
 
 @contextmanager
@@ -1180,23 +1914,6 @@ def _inflate(data: bytes, raw_size: int) -> bytes:
     if len(out) != raw_size or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
         raise _Unreadable("compressed payload does not match its recorded size")
     return out
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as error:
-        logger.warning("disk cache: could not remove %s: %s", path, error)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # Every live cache, for the exit and fork hooks.
