@@ -6,7 +6,8 @@ The public API, exported once here:
   ``KeyError``): :class:`LlamaRAMCache` (longest common prefix), :class:`LlamaTrieCache` and its
   alias :class:`LlamaCache` (longest stored key that prefixes the query), on the base
   :class:`BaseLlamaCache`; :class:`TrieNode` is the radix tree's node. :class:`LlamaDiskCache` keeps
-  states on disk: persistent, crash-safe, shared by processes, namespaced by model.
+  states on disk: persistent, crash-safe, shared by processes, namespaced by model;
+  :class:`CacheDirectoryError` when a directory cannot hold one.
 - :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
   reuses partial prefixes and serves exact repeats without a decode; :class:`IncompatibleStateError`
   when a state belongs to another model.
@@ -20,7 +21,7 @@ import logging
 
 from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
-from llama_cache.caches.disk import LlamaDiskCache
+from llama_cache.caches.disk import CacheDirectoryError, LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.checkpoints import HybridCheckpoint, HybridCheckpointCache
@@ -36,6 +37,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "BaseLlamaCache",
+    "CacheDirectoryError",
     "CacheStats",
     "HybridCheckpoint",
     "HybridCheckpointCache",

@@ -114,6 +114,7 @@ from llama_cache.state.format import (
     encoded_size,
     payload_kind,
 )
+from llama_cache.state.fingerprint import model_description, model_fingerprint
 from llama_cache.state.llama_state import LlamaState
 from llama_cache.state.values import can_be_cut, filing_key, state_tokens
 from llama_cache.tokens import as_token_array
@@ -427,18 +428,6 @@ def _check_model_info(info: object) -> dict[str, str]:
             raise ValueError(f"model_info field {name[:40]!r} is empty or too long")
         out[name] = value
     return out
-
-
-def describe_model(llm: llama_cpp.Llama) -> dict[str, str]:
-    """What a person needs to recognise a loaded model: its file name, description and parameter count."""
-    model = llm._model.model
-    description = llama_cpp.ctypes.create_string_buffer(256)
-    llama_cpp.llama_model_desc(model, description, 256)
-    return {
-        "file": os.path.basename(str(llm.model_path)),
-        "desc": description.value.decode("utf-8", "replace"),
-        "n_params": str(int(llama_cpp.llama_model_n_params(model))),
-    }
 
 
 def _write_all(fd: int, data: Any) -> None:
@@ -767,11 +756,9 @@ class LlamaDiskCache(BaseLlamaCache):
             if isinstance(own, str) and own:
                 fingerprint = own
             else:
-                from llama_cache.state.fingerprint import model_fingerprint
-
                 fingerprint = model_fingerprint(llm)
             if model_info is None:
-                model_info = describe_model(llm)
+                model_info = model_description(llm)
         _check_fingerprint(fingerprint)
         info = _check_model_info(model_info) if model_info is not None else None
         if info is not None and fingerprint is None:
