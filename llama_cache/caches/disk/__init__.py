@@ -73,8 +73,8 @@ states cannot: such an entry answers only queries its whole key is a prefix of.
 
 Modules of the package (each states its own contract):
 
-- :mod:`.cache`: :class:`LlamaDiskCache` itself: namespaces, lookups, stores, eviction, and the
-  process's view of the index kept in step with the change log;
+- :mod:`.cache`: :class:`LlamaDiskCache` itself: namespaces, lookups, stores, eviction, the connection;
+- :mod:`.view`: the process's in-memory picture of the index, kept in step with the change log;
 - :mod:`.schema`: the SQLite schema and its version, creation and migration, the change-log SQL;
 - :mod:`.rows`: validation of untrusted index rows and the in-memory entry record;
 - :mod:`.payloads`: payload files, opened and written safely, mapped or inflated;

@@ -1,14 +1,15 @@
 """LlamaDiskCache: the disk tier's cache class, tying the index, the payloads and the write queue together.
 
 It owns what the other modules of the package do not: the namespaces (``bind``, filing of states), the
-mapping protocol (lookups, stores, deletes, listings), eviction, and this process's view of the index:
-its SQLite connection (reopened after ``fork``), and the radix indexes, LRU order and byte count it
-keeps equal to the index by replaying the change log. See the package docstring for the protocols.
+mapping protocol (lookups, stores, deletes, listings), decoding and checking payloads against their
+rows, the store path (encode, write, commit with eviction, unlink) and this process's SQLite connection
+(reopened after ``fork``), kept in step with the index through an :class:`~.view._IndexView`. See the
+package docstring for the protocols.
 
-This module is past the ~400 lines STYLE.md asks for because the class's parts share one lock and one
-in-memory view: the lookup, store, commit and replay paths each read and update ``_indexes``,
-``_entries``, ``_lru`` and ``_bytes`` under that lock, in the same transaction as the SQL that keeps
-them true. Splitting them across modules would spread that invariant rather than isolate it.
+This module is past the ~400 lines STYLE.md asks for because it is one class whose methods share one
+lock, one connection and one view: a store decides in the view, commits in SQL and syncs the view in
+the same transaction, and lookups, eviction and deletes follow the same pattern. What does not need
+that state lives in the sibling modules.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,24 +49,21 @@ from llama_cache.caches.disk.rows import (
     _key_hash,
     _model_info_from_row,
     _state_cap,
-    _tokens,
 )
 from llama_cache.caches.disk.schema import (
     _ADD,
     _DELETE,
-    _REPLAY,
     _ROW,
     _TOUCH,
     INDEX_FILE,
     CacheDirectoryError,
     _create_schema,
     _delete_rows,
-    _floor,
     _maybe_trim,
     _transaction,
 )
+from llama_cache.caches.disk.view import _IndexView
 from llama_cache.caches.disk.writer import _LIVE, _WriteQueue
-from llama_cache.index import Match, RadixIndex
 from llama_cache.state.format import (
     KIND_LLAMA_CACHE,
     KIND_UPSTREAM,
@@ -197,11 +194,7 @@ class LlamaDiskCache(BaseLlamaCache):
         self._pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
         self._data_version = -1
-        self._last_seq = 0
-        self._indexes: dict[tuple[str, bool], RadixIndex[_Entry]] = {}
-        self._entries: dict[int, _Entry] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # entry ids, least recently used first
-        self._bytes = 0
+        self._view = _IndexView(self._log_bad_row)
         self._bad_rows: set[tuple[str, int]] = set()  # malformed rows already logged
         # This instance's counters.
         self._hits = self._misses = self._evictions = self._rejected = self._write_errors = 0
@@ -295,13 +288,13 @@ class LlamaDiskCache(BaseLlamaCache):
         self._wait_for_writes()
         with self._lock:
             self._sync_or_log()
-            return self._bytes
+            return self._view.bytes
 
     def __len__(self) -> int:
         self._wait_for_writes()
         with self._lock:
             self._sync_or_log()
-            return len(self._entries)
+            return len(self._view.entries)
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
         """Whether an entry would answer ``key``; touches neither recency nor counters.
@@ -313,7 +306,7 @@ class LlamaDiskCache(BaseLlamaCache):
         try:
             with self._lock:
                 self._sync()
-                return self._best(query) is not None
+                return self._view.best(query, self._namespace) is not None
         except Exception as error:  # noqa: BLE001 - a damaged index is a "no", never an error
             logger.warning("disk cache: index unavailable (%s); answering no", error)
             return False
@@ -346,7 +339,7 @@ class LlamaDiskCache(BaseLlamaCache):
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
                 self._sync()
-                match = self._best(query)
+                match = self._view.best(query, self._namespace)
             if match is None:
                 return None
             entry = match.value
@@ -434,7 +427,7 @@ class LlamaDiskCache(BaseLlamaCache):
             self._sync()
             victims = [
                 entry
-                for (namespace, _), index in self._indexes.items()
+                for (namespace, _), index in self._view.indexes.items()
                 if self._namespace in (None, namespace) and (entry := index.get(tokens)) is not None
             ]
             if not victims:
@@ -481,7 +474,7 @@ class LlamaDiskCache(BaseLlamaCache):
         self._wait_for_writes()
         with self._lock:
             self._sync()
-            self._delete([self._entries[i] for i in self._lru])
+            self._delete([self._view.entries[i] for i in self._view.lru])
 
     def stats(self) -> CacheStats:
         """This instance's counters; the directory's entries and bytes."""
@@ -491,8 +484,8 @@ class LlamaDiskCache(BaseLlamaCache):
             return CacheStats(
                 hits=self._hits,
                 misses=self._misses,
-                entries=len(self._entries),
-                bytes=self._bytes,
+                entries=len(self._view.entries),
+                bytes=self._view.bytes,
                 capacity_bytes=self.capacity_bytes,
                 evictions=self._evictions,
                 rejected=self._rejected,
@@ -547,28 +540,7 @@ class LlamaDiskCache(BaseLlamaCache):
         """
         return _check(self, fix, deep, grace_seconds)
 
-    # --------------------------------------------------------------------------- index in memory
-
-    def _best(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
-        """The match answering ``query`` (see the class docstring), most recent on ties. Lock held."""
-        best: Match[_Entry] | None = None
-        rank = (-1, 0)
-        for (namespace, cut), index in self._indexes.items():
-            if self._namespace is not None and namespace != self._namespace:
-                continue
-            match = index.longest_common_prefix(query) if cut else index.longest_prefix(query)
-            if match is not None and (match.common, match.value.recency) > rank:
-                best, rank = match, (match.common, match.value.recency)
-        return best
-
-    def _exact(self, namespace: str, tokens: npt.NDArray[np.int32]) -> _Entry | None:
-        """The entry stored under exactly ``tokens`` in ``namespace``. Lock held."""
-        for cut in (True, False):
-            index = self._indexes.get((namespace, cut))
-            entry = index.get(tokens) if index is not None else None
-            if entry is not None:
-                return entry
-        return None
+    # ----------------------------------------------------------------------------- keeping in step
 
     def _log_bad_row(self, table: str, rowid: Any, reason: str) -> None:
         marker = (table, rowid if _is_int(rowid) else -1)
@@ -594,114 +566,13 @@ class LlamaDiskCache(BaseLlamaCache):
             return
         self._data_version = version
         if conn.in_transaction:
-            self._replay(conn)
+            self._view.replay(conn)
             return
         conn.execute("BEGIN")
         try:
-            self._replay(conn)
+            self._view.replay(conn)
         finally:
             conn.execute("COMMIT")
-
-    def _replay(self, conn: sqlite3.Connection) -> None:
-        floor = _floor(conn)
-        if floor is None or self._last_seq < floor:
-            self._rebuild(conn)
-            return
-        try:
-            self._replay_rows(conn)
-        except (_BadRow, ValueError, TypeError, KeyError, IndexError) as error:
-            logger.warning("disk cache: change log out of step with the entries (%s); rebuilding", error)
-            self._rebuild(conn)
-
-    def _replay_rows(self, conn: sqlite3.Connection) -> None:
-        for row in conn.execute(_REPLAY, (self._last_seq,)):
-            seq, op, entry_id, del_key = row[:4]
-            if not _is_int(seq) or not _is_int(entry_id) or op not in (_ADD, _TOUCH, _DELETE):
-                self._log_bad_row("changes", seq, "unknown operation or entry")
-                if _is_int(seq):
-                    self._last_seq = seq
-                continue
-            if op == _ADD:
-                if row[4] is not None and entry_id not in self._entries:
-                    try:
-                        entry, tokens = _entry_from_row(row[4:])
-                    except _BadRow as problem:
-                        self._log_bad_row("entries", entry_id, str(problem))
-                    else:
-                        entry.recency = seq
-                        self._add_local(entry, tokens)
-            elif op == _TOUCH:
-                entry = self._entries.get(entry_id)
-                if entry is not None and row[4] is not None:
-                    key = row[6]
-                    if not isinstance(key, bytes) or len(key) != 4 * entry.n_key:
-                        raise _BadRow(f"entry {entry_id} changed its key")
-                    entry.recency = seq
-                    self._lru.move_to_end(entry_id)
-                    self._indexes[(entry.namespace, entry.cut)].touch(_tokens(key))
-            else:
-                entry = self._entries.get(entry_id)
-                if entry is not None:
-                    if not isinstance(del_key, bytes) or len(del_key) != 4 * entry.n_key:
-                        raise _BadRow(f"the delete of entry {entry_id} names another key")
-                    tokens = _tokens(del_key)
-                    index = self._indexes[(entry.namespace, entry.cut)]
-                    if index.get(tokens) is not entry:
-                        raise _BadRow(f"the delete of entry {entry_id} names another key")
-                    self._entries.pop(entry_id)
-                    del self._lru[entry_id]
-                    self._bytes -= entry.size
-                    index.remove(tokens)
-                    if not len(index):
-                        del self._indexes[(entry.namespace, entry.cut)]
-            self._last_seq = seq
-
-    def _add_local(self, entry: _Entry, tokens: npt.NDArray[np.int32]) -> None:
-        # One key per namespace (the UNIQUE constraint): an entry of the other cut kind under the same
-        # key can only be a stale or forged row; the newer one wins.
-        other = self._indexes.get((entry.namespace, not entry.cut))
-        stale = other.get(tokens) if other is not None else None
-        if stale is not None:
-            self._drop_local(stale, tokens)
-        index = self._indexes.get((entry.namespace, entry.cut))
-        if index is None:
-            index = self._indexes[(entry.namespace, entry.cut)] = RadixIndex()
-        old = index.insert(tokens, entry)
-        if old is not None and old is not entry:  # deletes precede re-adds, unless rows were forged
-            self._entries.pop(old.id, None)
-            self._lru.pop(old.id, None)
-            self._bytes -= old.size
-        self._entries[entry.id] = entry
-        self._lru[entry.id] = None
-        self._bytes += entry.size
-
-    def _drop_local(self, entry: _Entry, tokens: npt.NDArray[np.int32]) -> None:
-        index = self._indexes[(entry.namespace, entry.cut)]
-        index.remove(tokens)
-        if not len(index):
-            del self._indexes[(entry.namespace, entry.cut)]
-        self._entries.pop(entry.id, None)
-        self._lru.pop(entry.id, None)
-        self._bytes -= entry.size
-
-    def _rebuild(self, conn: sqlite3.Connection) -> None:
-        """Rebuild the in-memory index from the entries table (in the caller's read transaction)."""
-        self._indexes = {}
-        self._entries = {}
-        self._lru = OrderedDict()
-        self._bytes = 0
-        row = conn.execute("SELECT max(seq) FROM changes").fetchone()
-        self._last_seq = row[0] if row and _is_int(row[0]) else 0
-        floor = _floor(conn)
-        if floor is not None and floor > self._last_seq:
-            self._last_seq = floor
-        for row in conn.execute(f"SELECT {_ROW} FROM entries ORDER BY recency"):
-            try:
-                entry, tokens = _entry_from_row(row)
-            except _BadRow as problem:
-                self._log_bad_row("entries", row[0], str(problem))
-                continue
-            self._add_local(entry, tokens)
 
     # ------------------------------------------------------------------------------- connection
 
@@ -759,7 +630,7 @@ class LlamaDiskCache(BaseLlamaCache):
             _create_schema(conn, self._db_path)
         conn.execute("BEGIN")
         try:
-            self._rebuild(conn)
+            self._view.rebuild(conn)
         finally:
             conn.execute("COMMIT")
         self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -821,7 +692,7 @@ class LlamaDiskCache(BaseLlamaCache):
         """Remove an entry whose payload could not be loaded, unless another process already did."""
         with self._lock:
             self._sync()
-            if entry.id not in self._entries:
+            if entry.id not in self._view.entries:
                 return  # evicted or replaced meanwhile: not damage
             logger.warning("disk cache: dropping entry %s (%s): %s", entry.id, entry.file, problem)
             self._delete([entry])
@@ -874,7 +745,7 @@ class LlamaDiskCache(BaseLlamaCache):
         try:
             with self._lock:
                 self._sync()
-                old = self._exact(namespace, tokens)
+                old = self._view.exact(namespace, tokens)
                 if old is not None and old.kind == kind and old.n_state == n_state and (old.logits or not has_logits()):
                     self._touch(old.id, hit=False)
                     return
@@ -936,14 +807,14 @@ class LlamaDiskCache(BaseLlamaCache):
                 conn = self._connection()
                 with _transaction(conn):
                     self._sync(force=True)  # under the write lock: the local view equals the index
-                    old = self._exact(namespace, tokens)
+                    old = self._view.exact(namespace, tokens)
                     victims = [old] if old is not None else []
-                    total = self._bytes - (old.size if old is not None else 0)
+                    total = self._view.bytes - (old.size if old is not None else 0)
                     evicted = 0
-                    for entry_id in self._lru:
+                    for entry_id in self._view.lru:
                         if total + size <= self.capacity_bytes:
                             break
-                        entry = self._entries[entry_id]
+                        entry = self._view.entries[entry_id]
                         if entry is not old:
                             victims.append(entry)
                             total -= entry.size
@@ -1001,7 +872,7 @@ class LlamaDiskCache(BaseLlamaCache):
             except sqlite3.Error as error:
                 logger.warning("disk cache: index unavailable (%s)", error)
                 return
-            old = self._exact(namespace, tokens)
+            old = self._view.exact(namespace, tokens)
             if old is not None:
                 self._delete([old])
 

@@ -117,7 +117,7 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
             mismatched.append((entry.id, entry.file))
         elif deep:
             with cache._lock:
-                live = cache._entries.get(entry.id)
+                live = cache._view.entries.get(entry.id)
             if live is not None:
                 try:
                     cache._load(live, None)
@@ -128,7 +128,7 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
     if suspects:
         with cache._lock:
             cache._sync_or_log()
-            alive = {i for i, _ in suspects if i in cache._entries}
+            alive = {i for i, _ in suspects if i in cache._view.entries}
         missing = [m for m in missing if m[0] in alive]
         mismatched = [m for m in mismatched if m[0] in alive]
         corrupt = [m for m in corrupt if m[0] in alive]
@@ -138,13 +138,13 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
         bad = {i for i, _ in missing + mismatched + corrupt}
         with cache._lock:
             cache._sync_or_log()
-            victims = [cache._entries[i] for i in bad if i in cache._entries]
+            victims = [cache._view.entries[i] for i in bad if i in cache._view.entries]
             removed_entries = len(cache._delete(victims))
             removed_entries += _delete_malformed(cache, malformed)
         now = time.time()
         with cache._lock:
             cache._sync_or_log()
-            still_named = {entry.file for entry in cache._entries.values()}
+            still_named = {entry.file for entry in cache._view.entries.values()}
         for file in orphans:
             if file in still_named or now - files[file][1] < grace_seconds:
                 continue
