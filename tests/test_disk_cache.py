@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from llama_cache.caches import disk
-from llama_cache.caches.disk import LlamaDiskCache
+from llama_cache.caches.disk import LlamaDiskCache, payloads, schema
 from llama_cache.inspection import add_inspect_command, run_inspect
 from llama_cache.state.format import encode, encoded_size
 from llama_cache.state.llama_state import LlamaState
@@ -204,13 +204,13 @@ def test_write_behind_returns_before_the_write_and_lookups_wait_for_it(
 ) -> None:
     cache = open_cache()
     release = threading.Event()
-    real_write = disk._write_all
+    real_write = payloads._write_all
 
     def slow_write(fd: int, data: Any) -> None:
         assert release.wait(10)
         real_write(fd, data)
 
-    monkeypatch.setattr(disk, "_write_all", slow_write)
+    monkeypatch.setattr(payloads, "_write_all", slow_write)
     start = time.perf_counter()
     cache[[1, 2]] = make_state([1, 2], 100_000)
     assert time.perf_counter() - start < 0.5  # the caller did not wait for the disk
@@ -376,13 +376,13 @@ def test_a_full_disk_leaves_the_rest_of_the_cache_intact(
     cache[[1]] = make_state([1], 4000)
     cache[[2]] = make_state([2], 4000)
     cache.flush()
-    real_write = disk._write_all
+    real_write = payloads._write_all
 
     def full_disk(fd: int, data: Any) -> None:
         real_write(fd, memoryview(data)[: len(memoryview(data)) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk, "_write_all", full_disk)
+    monkeypatch.setattr(payloads, "_write_all", full_disk)
     with caplog.at_level(logging.WARNING, logger="llama_cache"):
         cache[[1]] = make_state([1], 9000, logits=True)  # a replacement that cannot be written
         cache[[3]] = make_state([3], 4000)
@@ -391,7 +391,7 @@ def test_a_full_disk_leaves_the_rest_of_the_cache_intact(
     assert cache.stats().store_errors == 2 and cache.stats().writes == 2
     assert any("no space left" in record.message for record in caplog.records)
     assert cache.check().ok  # no partial file left behind
-    monkeypatch.setattr(disk, "_write_all", real_write)
+    monkeypatch.setattr(payloads, "_write_all", real_write)
     cache[[3]] = make_state([3], 4000)
     assert pattern_ok(cache[[3]])
 
@@ -399,8 +399,8 @@ def test_a_full_disk_leaves_the_rest_of_the_cache_intact(
 def test_change_log_trimming_makes_a_lagging_process_rebuild(
     open_cache: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(disk, "_TRIM_EVERY", 10)
-    monkeypatch.setattr(disk, "_TRIM_KEEP", 3)
+    monkeypatch.setattr(schema, "_TRIM_EVERY", 10)
+    monkeypatch.setattr(schema, "_TRIM_KEEP", 3)
     size = disk_size(make_state([0]))
     writer = open_cache(8 * size, write_behind=False)
     reader = open_cache(8 * size)
@@ -411,7 +411,7 @@ def test_change_log_trimming_makes_a_lagging_process_rebuild(
             writer[[token - 3]]  # touches are logged too
     assert list(reader.keys()) == list(writer.keys())
     assert len(reader) == len(writer) == 8 and reader.cache_size == writer.cache_size == 8 * size
-    assert reader._last_seq == writer._last_seq
+    assert reader._view.last_seq == writer._view.last_seq
     assert pattern_ok(reader[[39]])
 
 

@@ -1,0 +1,104 @@
+"""LlamaDiskCache: a persistent prefix-state cache that several processes can share.
+
+Layout of ``cache_dir``::
+
+    index.sqlite3 (+ -wal, -shm)   the index (SQLite in WAL mode): entries, a change log, metadata,
+                                    the models of the namespaces
+    data/ab/ab12...ef.llst          one immutable payload file per entry, in the format of
+                                    :mod:`llama_cache.state.format` (optionally zlib-compressed)
+
+**Write protocol** (diskcache's, see STYLE.md): the payload goes to a new, uniquely named file first
+(``O_EXCL``; ``fsync`` optional); then the metadata is committed in one ``BEGIN IMMEDIATE``
+transaction that also deletes the rows of replaced and evicted entries; their files are unlinked only
+after ``COMMIT``. A crash at any instant therefore leaves either the old index or the new one, both
+naming complete files; at worst an uncommitted file is left behind: an orphan, which the next
+:class:`LlamaDiskCache` opened on the directory removes once it is older than
+``ORPHAN_GRACE_SECONDS`` (younger ones may be writes in progress), as ``check(fix=True)`` does. Without
+``fsync`` a power loss can lose recent entries or leave a committed row naming a file whose bytes
+never reached the disk; the checksum makes that a miss, never a wrong state.
+
+**Reads** take the best entry from an in-process :class:`~llama_cache.index.RadixIndex` (O(K) in the
+query length, no scan over entries), memory-map its file and decode it in place (no copy), verifying
+the checksum (XXH3-64) by default. The returned
+state hands llama.cpp its bytes straight from the mapping. A missing, truncated or tampered payload is
+a miss: logged at WARNING, the entry removed, the next best entry tried. Nothing is ever unpickled.
+Payload files are never modified once written, so a mapping stays valid even after its entry is
+evicted; a file truncated *in place* by something else while a state read from it is in use would
+fault the process (SIGBUS), as with any memory-mapped file.
+
+**The directory is untrusted input.** Whoever can write the index or the payload folder can spoil the
+cache (lookups then miss) but nothing more:
+
+- every row is validated before it is used (types, a key of whole int32 tokens, non-negative, a
+  payload name matching ``ab/<32 hex>.llst`` exactly, sizes within what a state with that many tokens
+  can be: ``_STATE_BASE_BYTES + _STATE_BYTES_PER_TOKEN`` per token, at most ``_MAX_STATE_BYTES``);
+  a row that does not validate is ignored, logged once at WARNING, and deleted by ``check(fix=True)``;
+- payloads are opened relative to the data folder's descriptor, each component with ``O_NOFOLLOW``
+  (a symbolic link anywhere below ``data/`` is never followed) and ``O_NONBLOCK`` (a FIFO never
+  blocks), and only regular files (``fstat``) are read; unlinks go through the same descriptors, so
+  nothing outside ``data/`` is ever removed;
+- decompression never produces more than the row's validated ``raw_size``;
+- a decoded state must hold the tokens of its row's key, in the row's namespace, of the row's kind:
+  a row pointed at another entry's payload is a miss, never a wrong state.
+
+**Several processes**: every change to the set of entries or to their recency appends a row to the
+``changes`` table, whose ``seq`` increases monotonically. Each process applies the rows newer than the
+last it saw before answering (checked through ``PRAGMA data_version``, so an idle index costs one
+pragma), which keeps its radix index, its LRU order and its byte count equal to the database's. Old
+log rows are trimmed; a process that fell behind the trimmed part rebuilds its index from the entries
+table, as it does at open. After ``fork`` the child opens its own SQLite connection (the inherited one
+is abandoned, never used nor closed, as SQLite requires).
+
+**Write-behind** (the default): ``cache[key] = state`` queues the state (it is immutable, so this costs
+nothing beyond the copy ``save_state`` already made) and a background thread encodes, writes and
+commits it. Lookups, ``len``, ``cache_size`` and ``stats`` first wait for the writes queued before them,
+so a process always reads its own writes. The queue is bounded (``max_pending``): a caller producing
+states faster than the disk takes them waits. Queues are drained by :meth:`LlamaDiskCache.flush`,
+:meth:`LlamaDiskCache.close`, at interpreter exit and before ``fork``. A state already stored under
+its key (same namespace, same tokens, logits if the new one has them) is not written again: the store
+only makes it the most recently used.
+
+**Namespaces**: an entry is filed under its state's ``fingerprint`` (the model and KV configuration
+that made it). llama-cpp-python's own states carry no fingerprint unless ``llama_cache.Llama`` set one;
+they are filed under the cache's bound fingerprint, or under ``UNBOUND_NAMESPACE`` when the cache is
+unbound. A cache bound to a fingerprint (``fingerprint=`` or :meth:`LlamaDiskCache.bind`) answers only
+from that namespace, so one directory serves several models without ever handing one another's
+state. An unbound cache answers from every namespace (``llama_cache.Llama.load_state`` still refuses a
+foreign state, which is then a miss); bind it when a directory is shared between models, including by
+plain ``llama_cpp.Llama`` instances: ``cache.bind(llm)``.
+
+**Cut or not**: transformer states (and llama-cpp-python's) can be cut back to a shorter prefix, so
+such an entry answers any query sharing a first token (longest common prefix). Recurrent and hybrid
+states cannot: such an entry answers only queries its whole key is a prefix of.
+
+Modules of the package (each states its own contract):
+
+- :mod:`.cache`: :class:`LlamaDiskCache` itself: namespaces, lookups, stores, eviction, the connection;
+- :mod:`.view`: the process's in-memory picture of the index, kept in step with the change log;
+- :mod:`.schema`: the SQLite schema and its version, creation and migration, the change-log SQL;
+- :mod:`.rows`: validation of untrusted index rows and the in-memory entry record;
+- :mod:`.payloads`: payload files, opened and written safely, mapped or inflated;
+- :mod:`.writer`: the write-behind queue and thread, and the exit and fork hooks;
+- :mod:`.checker`: ``check()``, :class:`CheckReport` and the orphan sweep.
+"""
+
+from __future__ import annotations
+
+# ``X as X``: names outside __all__ that tests and benchmarks import from here (layout and schema).
+from llama_cache.caches.disk.cache import ORPHAN_GRACE_SECONDS as ORPHAN_GRACE_SECONDS
+from llama_cache.caches.disk.cache import UNBOUND_NAMESPACE, LlamaDiskCache
+from llama_cache.caches.disk.checker import CheckReport
+from llama_cache.caches.disk.payloads import DATA_DIR as DATA_DIR
+from llama_cache.caches.disk.rows import DiskEntry
+from llama_cache.caches.disk.schema import _ENTRY_COLUMNS as _ENTRY_COLUMNS
+from llama_cache.caches.disk.schema import SCHEMA_VERSION as SCHEMA_VERSION
+from llama_cache.caches.disk.schema import INDEX_FILE, CacheDirectoryError
+
+__all__ = [
+    "INDEX_FILE",
+    "UNBOUND_NAMESPACE",
+    "CacheDirectoryError",
+    "CheckReport",
+    "DiskEntry",
+    "LlamaDiskCache",
+]

@@ -1,0 +1,167 @@
+"""Write-behind for the disk tier: a bounded queue of states drained by a background thread, and the
+exit and fork hooks that keep every live cache's queue from being lost.
+
+:class:`_WriteQueue` knows nothing of states or of the index: it calls the ``store`` function it was
+given on each queued item, in order, in a daemon thread started on demand (named
+``llama-cache-disk-writer``) that exits after five idle seconds or when stopped. :meth:`_WriteQueue.wait`
+returns once every item queued before it is done (stored, or failed and reported through ``failed``);
+when no writer thread is alive (it died, or this is a forked child) the waiting caller drains the queue
+itself. The writer thread never waits for itself. A ``store`` exception is logged with its traceback and
+reported, never raised: the writer outlives one bad state.
+
+The hooks at the bottom flush every live :class:`~llama_cache.caches.disk.LlamaDiskCache` at interpreter
+exit, and around ``fork`` let each cache drain its queue and hold its lock (parent), or drop what
+belongs to the parent process (child). Caches register themselves in ``_LIVE``.
+
+Thread-safety: every method of :class:`_WriteQueue` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llama_cache.caches.disk.cache import LlamaDiskCache
+
+logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
+
+
+class _WriteQueue:
+    """A bounded FIFO of items stored by one background thread.
+
+    Args:
+        store: called with each item, in the writer thread (or in a caller draining the queue).
+        failed: called after ``store`` raised (the exception is logged here).
+    """
+
+    def __init__(self, store: Callable[[Any], None], failed: Callable[[], None]) -> None:
+        self._store = store
+        self._failed = failed
+        self._cond = threading.Condition()
+        self._queue: deque[Any] = deque()
+        self._submitted = 0
+        self._completed = 0
+        self._writer: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def put(self, item: Any, max_pending: int) -> None:
+        """Queue ``item``, first waiting while ``max_pending`` items are queued; start a writer if none runs."""
+        with self._cond:
+            while len(self._queue) >= max_pending:
+                self._cond.wait()
+            self._queue.append(item)
+            self._submitted += 1
+            if self._writer is None or not self._writer.is_alive():
+                self._writer = threading.Thread(target=self._write_loop, name="llama-cache-disk-writer", daemon=True)
+                self._writer.start()
+            self._cond.notify_all()
+
+    def _run(self, item: Any) -> None:
+        try:
+            self._store(item)
+        except Exception:  # noqa: BLE001 - the writer must outlive one bad state; logged
+            self._failed()
+            logger.exception("disk cache: unexpected error while storing a state")
+
+    def _write_loop(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                if not self._queue and self._writer is me:
+                    self._cond.wait(timeout=5.0)  # woken by a store or by stop()
+                if not self._queue or self._writer is not me:
+                    # Idle for a while, or stopped: exit (the next store starts a new writer).
+                    if self._writer is me:
+                        self._writer = None
+                    self._cond.notify_all()
+                    return
+                item = self._queue.popleft()
+                self._cond.notify_all()
+            try:
+                self._run(item)
+            finally:
+                with self._cond:
+                    self._completed += 1
+                    self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Return once every item queued before this call is done; from the writer thread, at once."""
+        with self._cond:
+            target = self._submitted
+            while self._completed < target:
+                writer = self._writer
+                if writer is threading.current_thread():
+                    return  # never wait for ourselves
+                if writer is None or not writer.is_alive():
+                    # No writer (it died, or this is a forked child): drain here.
+                    if not self._queue:
+                        self._completed = self._submitted
+                        break
+                    item = self._queue.popleft()
+                    self._cond.release()
+                    try:
+                        self._run(item)
+                    finally:
+                        self._cond.acquire()
+                        self._completed += 1
+                        self._cond.notify_all()
+                    continue
+                self._cond.wait(timeout=1.0)
+
+    def stop(self) -> threading.Thread | None:
+        """Tell the writer thread to exit once idle; return it (to join) or None."""
+        with self._cond:
+            writer = self._writer
+            self._writer = None
+            self._cond.notify_all()
+        return writer
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: forget the parent's queue and thread (the parent drained it before forking)."""
+        self._cond = threading.Condition()
+        self._queue.clear()
+        self._completed = self._submitted
+        self._writer = None
+
+
+# Every live cache, for the exit and fork hooks.
+_LIVE: weakref.WeakSet[LlamaDiskCache] = weakref.WeakSet()
+
+
+def _flush_all() -> None:
+    for cache in list(_LIVE):
+        try:
+            cache.flush()
+        except Exception:  # noqa: BLE001 - at exit, one cache's failure must not stop the others
+            logger.exception("disk cache: flush at exit failed")
+
+
+def _before_fork() -> None:
+    for cache in list(_LIVE):
+        cache._before_fork()
+
+
+def _after_fork_in_parent() -> None:
+    for cache in list(_LIVE):
+        cache._after_fork_in_parent()
+
+
+def _after_fork_in_child() -> None:
+    for cache in list(_LIVE):
+        cache._reset_after_fork()
+
+
+atexit.register(_flush_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
+    )
