@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import numpy.typing as npt
@@ -12,10 +13,19 @@ from llama_cache.state.kv_layout import (
     Bytes,
     KVLayout,
     KVSegment,
+    StagingPool,
     canonical_seq_id,
     parse_seq_state,
     serialize_segments,
+    serialize_segments_into,
 )
+
+RESTORE_STAGING = StagingPool()
+"""The buffers :meth:`LlamaState.restore_bytes` assembles states in, shared by every state of the process.
+
+It holds at most ``max_idle`` (2) buffers of up to ``growth`` (1.5) times the largest state assembled
+so far; ``RESTORE_STAGING.clear()`` gives them back to the system.
+"""
 
 
 class IncompatibleStateError(KeyError):
@@ -116,14 +126,50 @@ class LlamaState:
         """llama.cpp's per-sequence bytes for this state, ready for ``llama_state_seq_set_data``.
 
         Opaque states return their buffer, and so do states made from llama.cpp bytes already in
-        canonical form (cells in position order, of ``seq_id``); segmented ones are assembled (one copy).
+        canonical form (cells in position order, of ``seq_id``); segmented ones are assembled (one copy)
+        into a new buffer the caller may keep. To restore, :meth:`restore_bytes` is faster.
         """
+        direct = self._direct_bytes(seq_id)
+        if direct is not None:
+            return direct
+        assert self._layout is not None
+        return serialize_segments(self._layout, list(self._segments), seq_id)
+
+    @contextmanager
+    def restore_bytes(self, seq_id: int = 0) -> Iterator[Bytes]:
+        """The bytes :meth:`seq_bytes` gives, as a read-only contiguous view valid inside the block only.
+
+        Bytes the state holds whole (opaque or canonical) are lent as they are. Segmented states are
+        assembled into a reused, already-faulted buffer of :data:`RESTORE_STAGING`: one copy at memory
+        speed, where assembling into fresh memory spends most of its time faulting pages in. The
+        buffer goes back to the pool when the block ends and is overwritten by the next restore, so
+        hand the view to ``llama_state_seq_set_data`` inside the block and keep nothing of it.
+
+        Thread-safety: concurrent blocks (from any threads, of the same state or others) each get a
+        buffer of their own.
+        """
+        direct = self._direct_bytes(seq_id)
+        if direct is not None:
+            yield _read_only(np.ascontiguousarray(direct))
+            return
+        assert self._layout is not None
+        with RESTORE_STAGING.borrow(self.llama_state_size) as buffer:
+            assembled = serialize_segments_into(self._layout, list(self._segments), buffer, seq_id)
+            yield _read_only(assembled)
+
+    def _direct_bytes(self, seq_id: int) -> Bytes | None:
+        """The bytes this state holds whole, if they are what restoring it into ``seq_id`` needs."""
         if self._opaque is not None:
             return self._opaque
         if self._canonical is not None and self._canonical[1] == seq_id:
             return self._canonical[0]
-        assert self._layout is not None
-        return serialize_segments(self._layout, list(self._segments), seq_id)
+        return None
+
+    def _stage_ahead(self) -> LlamaState:
+        """Have a staging buffer ready for this state, so its first restore faults no memory in."""
+        if self._direct_bytes(0) is None:
+            RESTORE_STAGING.reserve(self.llama_state_size)
+        return self
 
     def memory_blocks(self) -> list[MemoryBlock]:
         """The buffers this state holds, for caches that charge shared buffers once."""
@@ -161,7 +207,7 @@ class LlamaState:
             self.fingerprint,
             layout=self._layout,
             segments=tuple(_head_segments(self._segments, n_tokens, self._layout)),
-        )
+        )._stage_ahead()
 
     def extended(
         self,
@@ -190,7 +236,8 @@ class LlamaState:
         segments = list(_head_segments(self._segments, shared_tokens, layout))
         if len(tokens) > shared_tokens:
             segments.append(whole.slice_copy(shared_tokens, layout))
-        return LlamaState(tokens, logits, seed, self.fingerprint, layout=layout, segments=tuple(segments))
+        state = LlamaState(tokens, logits, seed, self.fingerprint, layout=layout, segments=tuple(segments))
+        return state._stage_ahead()
 
     # -- llama-cpp-python compatible names --------------------------------------------------------
 
@@ -219,6 +266,12 @@ class LlamaState:
     def __repr__(self) -> str:
         kind = "opaque" if self._layout is None else f"{len(self._segments)} segment(s)"
         return f"LlamaState(n_tokens={self.n_tokens}, {kind}, nbytes={self.nbytes})"
+
+
+def _read_only(array: Bytes) -> Bytes:
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _head_segments(segments: tuple[KVSegment, ...], n_tokens: int, layout: KVLayout) -> Iterator[KVSegment]:
