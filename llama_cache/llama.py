@@ -317,20 +317,22 @@ class Llama(llama_cpp.Llama):
             raise IncompatibleStateError("state was made by another model or KV configuration")
         if state.n_tokens > self._n_ctx:
             raise IncompatibleStateError(f"state of {state.n_tokens} tokens does not fit n_ctx={self._n_ctx}")
-        data = np.ascontiguousarray(state.seq_bytes(_SEQ))
         memory = llama_cpp.llama_get_memory(self._ctx.ctx)
-        llama_cpp.llama_memory_seq_rm(memory, _SEQ, -1, -1)
-        read = llama_cpp.llama_state_seq_set_data(
-            self._ctx.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), _SEQ
-        )
-        if read != len(data):
+        # The bytes are lent for the block only (a reused staging buffer for assembled states).
+        with state.restore_bytes(_SEQ) as data:
+            llama_cpp.llama_memory_seq_rm(memory, _SEQ, -1, -1)
+            read = llama_cpp.llama_state_seq_set_data(
+                self._ctx.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), _SEQ
+            )
+            size = len(data)
+        if read != size:
             llama_cpp.llama_memory_clear(memory, True)
             if self.checkpoints is not None:
                 notify_memory_cleared(self._ctx.ctx)
             self.n_tokens = 0
             self._requires_eval = True
             self._forget_base()
-            logger.warning("cache miss: llama.cpp refused a %d-byte state (read %d)", len(data), read)
+            logger.warning("cache miss: llama.cpp refused a %d-byte state (read %d)", size, read)
             raise IncompatibleStateError("llama.cpp refused the state")
         if self.checkpoints is not None:
             notify_seq_changed(self._ctx.ctx, _SEQ)
