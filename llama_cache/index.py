@@ -36,6 +36,8 @@ __all__ = ["Match", "RadixIndex", "TrieNode"]
 
 V = TypeVar("V")
 
+_EMPTY: TokenArray = _readonly(np.empty(0, dtype=np.int32))
+
 def _matched(edge: TokenArray, query: TokenArray, pos: int) -> int:
     """Length of the common prefix of ``edge`` and ``query[pos:]``, knowing that ``edge[0] == query[pos]``.
 
