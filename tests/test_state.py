@@ -147,6 +147,7 @@ def test_restore_bytes_are_the_assembled_bytes(llm: Llama, kind: str, seq_id: in
     state = _states(llm)[kind]
     expected = serialize_segments(state.layout, list(state.segments), seq_id)  # type: ignore[arg-type]
     assert np.array_equal(state.seq_bytes(seq_id), expected)
+    assert state.needs_assembly(seq_id) == (kind != "canonical" or seq_id != 0)
     for _ in range(2):  # the second time in a reused buffer
         with state.restore_bytes(seq_id) as data:
             assert data.flags.c_contiguous and not data.flags.writeable

@@ -157,6 +157,13 @@ class LlamaState:
             assembled = serialize_segments_into(self._layout, list(self._segments), buffer, seq_id)
             yield _read_only(assembled)
 
+    def needs_assembly(self, seq_id: int = 0) -> bool:
+        """Whether restoring into ``seq_id`` copies the KV segments into a staging buffer first.
+
+        False for opaque states and for states holding llama.cpp's own bytes for that sequence.
+        """
+        return self._direct_bytes(seq_id) is None
+
     def _direct_bytes(self, seq_id: int) -> Bytes | None:
         """The bytes this state holds whole, if they are what restoring it into ``seq_id`` needs."""
         if self._opaque is not None:
@@ -167,7 +174,7 @@ class LlamaState:
 
     def _stage_ahead(self) -> LlamaState:
         """Have a staging buffer ready for this state, so its first restore faults no memory in."""
-        if self._direct_bytes(0) is None:
+        if self.needs_assembly(0):
             RESTORE_STAGING.reserve(self.llama_state_size)
         return self
 
