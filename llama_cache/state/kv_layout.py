@@ -22,6 +22,7 @@ callers keep those states as opaque bytes.
 from __future__ import annotations
 
 import mmap
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +35,10 @@ Bytes = npt.NDArray[np.uint8]
 
 SEQ_STATE_MAGIC = 0xAF143CD8
 _CELL = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+_HEAD = struct.Struct("<IiII")  # magic, seq_id, n_stream, cell_count
+_U32X2 = struct.Struct("<II")  # v_trans, n_layer
+_ROW_HEADER = struct.Struct("<iQ")  # type, row bytes
+_TRANS_HEADER = struct.Struct("<iII")  # type, element bytes, n_embd_v
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +243,7 @@ def serialize_segments_into(layout: KVLayout, segments: list[KVSegment], out: By
     if len(out) < size:
         raise ValueError(f"the target holds {len(out)} bytes; the state needs {size}")
     out = out[:size]
-    head = out[:16].view("<u4")
-    head[:] = (SEQ_STATE_MAGIC, seq_id, 1, n)
+    _HEAD.pack_into(out, 0, SEQ_STATE_MAGIC, seq_id, 1, n)
     if n == 0:
         return out
     offset = 16
@@ -248,41 +252,41 @@ def serialize_segments_into(layout: KVLayout, segments: list[KVSegment], out: By
     cells["n_seq"] = 1
     cells["seq"] = seq_id
     offset += n * _CELL.itemsize
-    out[offset : offset + 8].view("<u4")[:] = (int(layout.v_trans), layout.n_layer)
+    _U32X2.pack_into(out, offset, int(layout.v_trans), layout.n_layer)
     offset += 8
+    # Rows of K (and of untransposed V) are contiguous per layer, and so is each segment's share of them:
+    # one flat copy per segment and layer keeps the Python work small next to the bytes copied.
     for i in range(layout.n_layer):
         row = layout.k_row_bytes[i]
-        out[offset : offset + 4].view("<i4")[0] = layout.k_types[i]
-        out[offset + 4 : offset + 12].view("<u8")[0] = row
+        _ROW_HEADER.pack_into(out, offset, layout.k_types[i], row)
         offset += 12
-        _gather_rows(out[offset : offset + n * row].reshape(n, row), [s.k[i] for s in segments])
-        offset += n * row
+        for segment in segments:
+            size_k = segment.n_tokens * row
+            out[offset : offset + size_k] = segment.k[i].reshape(-1)
+            offset += size_k
     for i in range(layout.n_layer):
-        out[offset : offset + 4].view("<i4")[0] = layout.v_types[i]
-        parts = [s.v[i] for s in segments]
         if layout.v_trans:
             el, embd = layout.v_elem_bytes[i], layout.n_embd_v[i]
-            out[offset + 4 : offset + 12].view("<u4")[:] = (el, embd)
+            _TRANS_HEADER.pack_into(out, offset, layout.v_types[i], el, embd)
             offset += 12
             # Transposed V: one row per embedding dimension, each segment a run of columns.
-            _gather_rows(out[offset : offset + embd * n * el].reshape(embd, n * el).T, [p.T for p in parts])
+            target = out[offset : offset + embd * n * el].reshape(embd, n * el)
+            column = 0
+            for segment in segments:
+                width = segment.n_tokens * el
+                target[:, column : column + width] = segment.v[i]
+                column += width
             offset += embd * n * el
         else:
             row = layout.v_row_bytes[i]
-            out[offset + 4 : offset + 12].view("<u8")[0] = row
+            _ROW_HEADER.pack_into(out, offset, layout.v_types[i], row)
             offset += 12
-            _gather_rows(out[offset : offset + n * row].reshape(n, row), parts)
-            offset += n * row
+            for segment in segments:
+                size_v = segment.n_tokens * row
+                out[offset : offset + size_v] = segment.v[i].reshape(-1)
+                offset += size_v
     assert offset == size
     return out
-
-
-def _gather_rows(target: Bytes, parts: list[Bytes]) -> None:
-    """Copy ``parts`` one after another into the leading rows of ``target``."""
-    start = 0
-    for part in parts:
-        target[start : start + len(part)] = part
-        start += len(part)
 
 
 def canonical_seq_id(data: Bytes, n_tokens: int) -> int | None:
