@@ -73,10 +73,15 @@ def recording_evals(llm: llama_cpp.Llama) -> Iterator[EvalRecorder]:
 
 @dataclass(frozen=True, slots=True)
 class RestoreTiming:
-    """One ``load_state`` call: the state restored and the seconds it took."""
+    """One ``load_state`` call: the state restored, the seconds it took and the CPU seconds its thread used.
+
+    ``cpu_seconds`` (``time.thread_time``) counts the calling thread's own work, page faults included,
+    and not the time other processes held the CPU: on a shared machine it is the steadier measure.
+    """
 
     state: Any
     seconds: float
+    cpu_seconds: float
 
 
 @contextmanager
@@ -89,11 +94,11 @@ def recording_restores(llm: llama_cpp.Llama) -> Iterator[list[RestoreTiming]]:
     original = llm.load_state
 
     def load_and_record(state: Any) -> None:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         try:
             original(state)
         finally:
-            restores.append(RestoreTiming(state, time.perf_counter() - started))
+            restores.append(RestoreTiming(state, time.perf_counter() - started, time.thread_time() - cpu_started))
 
     llm.load_state = load_and_record  # type: ignore[method-assign]
     try:
