@@ -204,3 +204,41 @@ def test_serialize_into_checks_its_target(llm: Llama) -> None:
         serialize_segments_into(state.layout, list(state.segments), np.empty(size, np.int16))
     with pytest.raises(ValueError):
         serialize_segments_into(state.layout, list(state.segments), np.empty(2 * size, np.uint8)[::2])
+
+
+def _restore_and_read_back(llm: Llama, data: np.ndarray, keep: int | None) -> np.ndarray:
+    ctx = llm._ctx.ctx
+    memory = llama_cpp.llama_get_memory(ctx)
+    llama_cpp.llama_memory_seq_rm(memory, 0, -1, -1)
+    pointer = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    assert llama_cpp.llama_state_seq_set_data(ctx, pointer, len(data), 0) == len(data)
+    if keep is not None:
+        assert llama_cpp.llama_memory_seq_rm(memory, 0, keep, -1)
+    return llm._read_seq_bytes()
+
+
+def test_a_view_close_to_its_parent_restores_from_the_parent_bytes_then_cuts(llm: Llama) -> None:
+    whole = _canonical(llm)
+    n = whole.n_tokens
+    view = whole.prefix(n - 2, logits=None)
+    try:
+        with view.restore_source(0) as (data, held):
+            assert held == n and np.shares_memory(data, whole.seq_bytes()) and not data.flags.writeable
+            restored = _restore_and_read_back(llm, data, view.n_tokens)
+        assert np.array_equal(restored, view.seq_bytes())
+    finally:
+        llm.reset()
+        llm.eval(llm.tokenize(TEXT))
+
+
+@pytest.mark.parametrize("case", ["far from its parent", "another sequence", "two segments"])
+def test_other_states_restore_from_assembled_bytes(llm: Llama, case: str) -> None:
+    states = _states(llm)
+    state, seq_id = {
+        "far from its parent": (states["view"], 0),  # 5 of the text's tokens: far more than a quarter cut
+        "another sequence": (states["canonical"].prefix(states["canonical"].n_tokens - 1, None), 3),
+        "two segments": (states["two segments"], 0),
+    }[case]
+    with state.restore_source(seq_id) as (data, held):
+        assert held == state.n_tokens
+        assert np.array_equal(data, state.seq_bytes(seq_id))

@@ -35,6 +35,7 @@ Bytes = npt.NDArray[np.uint8]
 
 SEQ_STATE_MAGIC = 0xAF143CD8
 _CELL = np.dtype([("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+CELL_BYTES = _CELL.itemsize  # per cell: position, sequence count (1), sequence id
 _HEAD = struct.Struct("<IiII")  # magic, seq_id, n_stream, cell_count
 _U32X2 = struct.Struct("<II")  # v_trans, n_layer
 _ROW_HEADER = struct.Struct("<iQ")  # type, row bytes

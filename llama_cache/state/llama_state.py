@@ -10,6 +10,8 @@ import numpy.typing as npt
 
 from llama_cache.state.memory import MemoryBlock
 from llama_cache.state.kv_layout import (
+    CELL_BYTES,
+    SEQ_STATE_MAGIC,
     Bytes,
     KVLayout,
     KVSegment,
@@ -19,6 +21,8 @@ from llama_cache.state.kv_layout import (
     serialize_segments,
     serialize_segments_into,
 )
+
+_MAX_PARENT_EXTRA = 0.25  # restoring a quarter more tokens and cutting them beats assembling
 
 RESTORE_STAGING = StagingPool()
 """The buffers :meth:`LlamaState.restore_bytes` assembles states in, shared by every state of the process.
@@ -157,6 +161,52 @@ class LlamaState:
             assembled = serialize_segments_into(self._layout, list(self._segments), buffer, seq_id)
             yield _read_only(assembled)
 
+    @contextmanager
+    def restore_source(self, seq_id: int = 0) -> Iterator[tuple[Bytes, int]]:
+        """Bytes to restore this state from and the tokens they hold, valid inside the block only.
+
+        Like :meth:`restore_bytes`, with one more way to skip assembly: a view of the first tokens of
+        a state made from llama.cpp's bytes (the prompt's state cut from prompt + completion) is lent
+        its parent's bytes whole, when those hold at most a quarter more tokens. The tokens held are
+        then more than :attr:`n_tokens`, and after ``llama_state_seq_set_data`` the caller removes
+        positions ``n_tokens`` onwards (``llama_memory_seq_rm(memory, seq_id, n_tokens, -1)``): the
+        sequence is then exactly this state's, restored at the cost of a canonical state's.
+
+        Yields:
+            ``(data, held)``: read-only contiguous bytes for ``llama_state_seq_set_data`` and the
+            number of tokens they hold (``held >= n_tokens``).
+        """
+        parent = self._parent_bytes(seq_id)
+        if parent is not None:
+            yield _read_only(parent[0]), parent[1]
+            return
+        with self.restore_bytes(seq_id) as data:
+            yield data, self.n_tokens
+
+    def _parent_bytes(self, seq_id: int) -> tuple[Bytes, int] | None:
+        """llama.cpp's canonical bytes this state's only segment is the head of, and their token count.
+
+        None unless the segment's buffer is such bytes for ``seq_id``, the segment's first layer sits
+        where parsing them puts it, and they hold at most ``_MAX_PARENT_EXTRA`` more tokens.
+        """
+        if self._layout is None or len(self._segments) != 1 or self._direct_bytes(seq_id) is not None:
+            return None
+        segment = self._segments[0]
+        buffer = segment.buffer
+        if buffer.ndim != 1 or len(buffer) < 16 or not buffer.flags.c_contiguous:
+            return None
+        held = int(buffer[12:16].view("<u4")[0])
+        if not self.n_tokens <= held <= self.n_tokens * (1 + _MAX_PARENT_EXTRA):
+            return None
+        if len(buffer) != self._layout.serialized_size(held) or int(buffer[:4].view("<u4")[0]) != SEQ_STATE_MAGIC:
+            return None
+        first_keys = 16 + held * CELL_BYTES + 8 + 12  # header, cells, v_trans and n_layer, layer 0's header
+        if segment.k[0].ctypes.data != buffer.ctypes.data + first_keys:
+            return None
+        if canonical_seq_id(buffer, held) != seq_id:
+            return None
+        return buffer, held
+
     def needs_assembly(self, seq_id: int = 0) -> bool:
         """Whether restoring into ``seq_id`` copies the KV segments into a staging buffer first.
 
@@ -174,7 +224,7 @@ class LlamaState:
 
     def _stage_ahead(self) -> LlamaState:
         """Have a staging buffer ready for this state, so its first restore faults no memory in."""
-        if self.needs_assembly(0):
+        if self.needs_assembly(0) and self._parent_bytes(0) is None:
             RESTORE_STAGING.reserve(self.llama_state_size)
         return self
 
