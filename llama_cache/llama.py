@@ -318,13 +318,17 @@ class Llama(llama_cpp.Llama):
         if state.n_tokens > self._n_ctx:
             raise IncompatibleStateError(f"state of {state.n_tokens} tokens does not fit n_ctx={self._n_ctx}")
         memory = llama_cpp.llama_get_memory(self._ctx.ctx)
-        # The bytes are lent for the block only (a reused staging buffer for assembled states).
-        with state.restore_bytes(_SEQ) as data:
+        # The bytes are lent for the block only (a reused staging buffer for assembled states); they may
+        # hold a few more tokens than the state (its parent's bytes), cut right after.
+        with state.restore_source(_SEQ) as (data, held):
             llama_cpp.llama_memory_seq_rm(memory, _SEQ, -1, -1)
             read = llama_cpp.llama_state_seq_set_data(
                 self._ctx.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), _SEQ
             )
             size = len(data)
+        if read == size and held > state.n_tokens:
+            if not llama_cpp.llama_memory_seq_rm(memory, _SEQ, state.n_tokens, -1):
+                read = 0  # cannot happen with transformer KV; handled as a refused state
         if read != size:
             llama_cpp.llama_memory_clear(memory, True)
             if self.checkpoints is not None:
