@@ -13,12 +13,14 @@ what is measured is what a fresh buffer costs the first time: page faults. A pro
   from the shared KV and the new tokens' own buffer.
 
 Then it restores each state once ("first") and ``--later`` more times, in an order rotating with the
-process, by one of three paths:
+process, by one of four paths:
 
 - ``seq_bytes``: ``np.ascontiguousarray(state.seq_bytes(0))`` then ``llama_state_seq_set_data`` (what
   ``Llama.load_state`` did before the staging buffer: a fresh buffer per restore);
 - ``restore_bytes``: ``with state.restore_bytes(0) as data`` then ``llama_state_seq_set_data`` (the
   reused, pre-faulted staging buffer);
+- ``restore_source``: ``with state.restore_source(0) as (data, held)``, ``llama_state_seq_set_data``, then
+  the tokens past the state cut when ``data`` was its parent's bytes (the view here);
 - ``load_state``: ``llama_cache.Llama.load_state`` as it is in this checkout.
 
 A restore is timed from the start of assembly to the end of ``llama_state_seq_set_data`` (plus the
@@ -53,7 +55,7 @@ from llama_cache.state.llama_state import LlamaState
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "restore.json"
-PATHS = ("seq_bytes", "restore_bytes", "load_state")
+PATHS = ("seq_bytes", "restore_bytes", "restore_source", "load_state")
 KINDS = ("canonical", "view", "two segments")
 RATIO_TARGET = 1.5
 
@@ -74,6 +76,11 @@ def _restore(llm: Llama, state: LlamaState, path: str) -> tuple[float, float]:
     elif path == "restore_bytes":
         with state.restore_bytes(0) as data:
             _set_data(llm, data)
+    elif path == "restore_source":
+        with state.restore_source(0) as (data, held):
+            _set_data(llm, data)
+        if held > state.n_tokens:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm._ctx.ctx), 0, state.n_tokens, -1)
     else:
         llm.load_state(state)
     return (time.perf_counter() - started) * 1000, (time.thread_time() - cpu_started) * 1000
