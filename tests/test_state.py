@@ -221,6 +221,7 @@ def test_a_view_close_to_its_parent_restores_from_the_parent_bytes_then_cuts(llm
     whole = _canonical(llm)
     n = whole.n_tokens
     view = whole.prefix(n - 2, logits=None)
+    assert not view.needs_assembly(0) and view.needs_assembly(1)
     try:
         with view.restore_source(0) as (data, held):
             assert held == n and np.shares_memory(data, whole.seq_bytes()) and not data.flags.writeable

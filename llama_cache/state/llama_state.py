@@ -208,11 +208,12 @@ class LlamaState:
         return buffer, held
 
     def needs_assembly(self, seq_id: int = 0) -> bool:
-        """Whether restoring into ``seq_id`` copies the KV segments into a staging buffer first.
+        """Whether restoring into ``seq_id`` through :meth:`restore_source` copies KV segments first.
 
-        False for opaque states and for states holding llama.cpp's own bytes for that sequence.
+        False for opaque states, for states holding llama.cpp's own bytes for that sequence and for
+        views restored from their parent's bytes.
         """
-        return self._direct_bytes(seq_id) is None
+        return self._direct_bytes(seq_id) is None and self._parent_bytes(seq_id) is None
 
     def _direct_bytes(self, seq_id: int) -> Bytes | None:
         """The bytes this state holds whole, if they are what restoring it into ``seq_id`` needs."""
@@ -224,7 +225,7 @@ class LlamaState:
 
     def _stage_ahead(self) -> LlamaState:
         """Have a staging buffer ready for this state, so its first restore faults no memory in."""
-        if self.needs_assembly(0) and self._parent_bytes(0) is None:
+        if self.needs_assembly(0):
             RESTORE_STAGING.reserve(self.llama_state_size)
         return self
 
