@@ -36,13 +36,13 @@ median time of three real ``__setitem__`` calls into each filled cache is report
 
 Memory:
 
-* ours: ``cache.index_nbytes()`` (radix tree plus the stored key arrays) per stored token, and the whole
-  cache's allocations per stored token measured with ``tracemalloc`` while building it (index, LRU list,
-  entries, byte accounting; the values are allocated beforehand and not counted);
-* theirs: ``tracemalloc`` while building their cache from what ``llama_cpp.Llama`` hands it (a fresh
-  ``list`` of Python ints per key, stored as a tuple): the tuples, the int objects they keep alive and the
-  ``OrderedDict``. tracemalloc counts requested bytes, so the allocator's rounding (28-byte ints take 32)
-  comes on top;
+* both sides are built under ``tracemalloc`` from what ``llama_cpp.Llama`` hands a cache, a fresh
+  ``list`` of Python ints per key made inside the traced build, and charged what the build leaves
+  allocated (the values are allocated beforehand and not counted, for both). Ours keeps an int32 array
+  per key plus the radix tree, LRU list and byte accounting; theirs a tuple per key, the int objects it
+  keeps alive and the ``OrderedDict``. tracemalloc counts requested bytes, so the allocator's rounding
+  (28-byte ints take 32) comes on top for theirs;
+* ours also reports ``cache.index_nbytes()`` (radix tree plus the stored key arrays) per stored token;
 * a second workload of 1,000 keys of 2,000 random tokens sharing nothing checks the target of under
   16 bytes of index per stored token where the tree cannot share prefixes.
 
@@ -225,8 +225,14 @@ def traced(build: Callable[[], Any]) -> tuple[Any, int]:
 
 
 def fill_ours(cache: Any, keys: Sequence[Tokens], states: Sequence[State], bar: tqdm) -> Any:
+    """Fill one of our caches with what ``llama_cpp.Llama`` hands it: a fresh list of ints per key.
+
+    The same input as :func:`fill_theirs`, made inside the traced build as theirs is, so both sides'
+    memory is measured the same way: whatever a cache keeps of the key (ours an int32 array, theirs a
+    tuple of ints) is counted, and nothing it was handed comes for free.
+    """
     for key, state in zip(keys, states):
-        cache[key] = state
+        cache[key.tolist()] = state
         bar.update()
     return cache
 
@@ -314,8 +320,8 @@ def check_answer(name: str, query: Query, value: State | None, answers: dict[str
 def time_lookups(built: dict[str, Built], queries: Sequence[Query], label: str) -> Timings:
     """Interleaved timing: per query, the caches back to back in an order rotating with the query."""
     timings = Timings()
-    for query in queries:  # warm-up, untimed: ours only (theirs has nothing to warm)
-        for name in (OURS_RAM, OURS_TRIE):
+    for query in queries:  # warm-up, untimed, every cache alike
+        for name in CACHE_NAMES:
             lookup_ns(built[name].cache, query.tokens)
     total = len(queries) * (2 * OUR_REPS + THEIR_REPS)
     gc.collect()

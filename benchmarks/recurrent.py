@@ -10,6 +10,11 @@ model kept between turns, side by side:
 - ours: ``llama_cache.Llama`` with ``llama_cache.LlamaRAMCache`` and checkpoints
   (``ctx_checkpoints=16``, ``checkpoint_interval=512``).
 
+The two chats advance turn by turn, in an order that alternates with the turn, so drift on a shared
+machine does not favour one of them. After the last turn each side's memory is measured the same way:
+the distinct buffers its cache's entries hold (``llama_cache.state.memory.memory_blocks``); ours'
+checkpoints are reported beside it.
+
 Target: from the second turn on, ours evaluates at most the tokens since the latest checkpoint on the
 new prompt's path (the bound is printed per turn). Prints a table and writes
 ``benchmarks/results/recurrent.json``.
@@ -31,6 +36,7 @@ from llama_cache import LlamaRAMCache, default_model_path
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.llama import Llama
 from llama_cache.measure import timed_chat_completion
+from llama_cache.state.memory import memory_blocks
 from llama_cache.testing.tiny_models import write_tiny_model
 
 ARCHITECTURES = ("lfm2", "mamba")
@@ -46,23 +52,37 @@ def _document(llm: llama_cpp.Llama, target_tokens: int) -> str:
     return " ".join(sentences)
 
 
-def _chat(llm: llama_cpp.Llama, document: str, turns: int, progress: tqdm) -> list[dict[str, Any]]:
-    history = [{"role": "system", "content": document}]
-    rows = []
+def _chats(models: dict[str, llama_cpp.Llama], document: str, turns: int,
+           progress: tqdm) -> dict[str, list[dict[str, Any]]]:
+    """One chat per model, turn by turn, the models in an order that rotates with the turn."""
+    names = list(models)
+    histories = {name: [{"role": "system", "content": document}] for name in names}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for turn in range(turns):
-        history.append({"role": "user", "content": f"Question {turn + 1}: which pass came first?"})
-        before = _reusable_before(llm)
-        result = timed_chat_completion(llm, history, max_tokens=8, temperature=0.0, seed=0)
-        history.append({"role": "assistant", "content": result.text})
-        rows.append({
-            "turn": turn + 1,
-            "evaluated": result.prompt_tokens_evaluated,
-            "ttft_ms": result.ttft_s * 1000,
-            "total_ms": result.total_s * 1000,
-            "bound": _bound(llm, before) if before is not None else None,
-        })
-        progress.update(1)
+        shift = turn % len(names)
+        for name in names[shift:] + names[:shift]:
+            llm, history = models[name], histories[name]
+            history.append({"role": "user", "content": f"Question {turn + 1}: which pass came first?"})
+            before = _reusable_before(llm)
+            result = timed_chat_completion(llm, history, max_tokens=8, temperature=0.0, seed=0)
+            history.append({"role": "assistant", "content": result.text})
+            rows[name].append({
+                "turn": turn + 1,
+                "evaluated": result.prompt_tokens_evaluated,
+                "ttft_ms": result.ttft_s * 1000,
+                "total_ms": result.total_s * 1000,
+                "bound": _bound(llm, before) if before is not None else None,
+            })
+            progress.update(1)
     return rows
+
+
+def _held_bytes(values: list[Any]) -> int:
+    """Bytes the distinct buffers of ``values`` hold (a buffer shared by several entries counts once)."""
+    blocks: dict[Any, int] = {}
+    for value in values:
+        blocks.update(memory_blocks(value))
+    return sum(blocks.values())
 
 
 def _reusable_before(llm: llama_cpp.Llama) -> tuple[list[int], list[tuple[int, str]]] | None:
@@ -98,15 +118,24 @@ def main() -> int:
         for arch in ARCHITECTURES:
             path = write_tiny_model(arch, Path(scratch) / f"{arch}.gguf", tokenizer_from=default_model_path())
             common = {"model_path": str(path), "n_ctx": 4096, "seed": 0, "verbose": False}
+            theirs_cache = llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=4 << 30)
             theirs = llama_cpp.Llama(**common)
-            theirs.set_cache(llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=4 << 30))
-            ours = Llama(**common, cache=LlamaRAMCache(capacity_bytes=4 << 30), checkpoint_interval=INTERVAL)
+            theirs.set_cache(theirs_cache)
+            ours_cache = LlamaRAMCache(capacity_bytes=4 << 30)
+            ours = Llama(**common, cache=ours_cache, checkpoint_interval=INTERVAL)
             document = _document(theirs, args.history_tokens)
             started = time.perf_counter()
+            rows = _chats({"theirs": theirs, "ours": ours}, document, args.turns, progress)
             results[arch] = {
-                "theirs": _chat(theirs, document, args.turns, progress),
-                "ours": _chat(ours, document, args.turns, progress),
+                **rows,
                 "checkpoints": len(ours.checkpoints or ()),
+                "memory": {
+                    "theirs_entries": len(theirs_cache.cache_state),
+                    "theirs_bytes": _held_bytes(list(theirs_cache.cache_state.values())),
+                    "ours_entries": len(ours_cache),
+                    "ours_bytes": _held_bytes([ours_cache.peek(key) for key in ours_cache.keys()]),
+                    "ours_checkpoint_bytes": ours.checkpoints.cache_size if ours.checkpoints is not None else 0,
+                },
                 "seconds": time.perf_counter() - started,
             }
             theirs.close()
@@ -119,6 +148,11 @@ def main() -> int:
             bound = "" if mine["bound"] is None else str(mine["bound"])
             print(f"{mine['turn']:>4} {their['evaluated']:>18} {their['ttft_ms']:>8.0f} "
                   f"{mine['evaluated']:>16} {mine['ttft_ms']:>8.0f} {bound:>6}")
+        memory = data["memory"]
+        print(f"cache memory after {args.turns} turns (distinct buffers of all entries): theirs "
+              f"{memory['theirs_bytes'] / 2**20:.1f} MiB in {memory['theirs_entries']} entries, ours "
+              f"{memory['ours_bytes'] / 2**20:.1f} MiB in {memory['ours_entries']} entries "
+              f"+ {memory['ours_checkpoint_bytes'] / 2**20:.2f} MiB of checkpoints")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     print(f"\nJSON written to {args.out}")

@@ -7,8 +7,23 @@ Three set-ups run side by side in one process on the same model file:
 - ours: ``llama_cache.Llama`` with ``llama_cache.LlamaRAMCache``.
 
 Scenarios, three variants each (median reported): (a) a ~1,500-token prompt again, (b) that prompt plus
-a short suffix, (c) a prompt diverging from the cached one at 75%, (d) a 10-turn chat where the model serves other work between turns (it is
-reset before each turn, as a server's shared model is). Plus the bytes each cache charges per entry.
+a short suffix, (c) a prompt diverging from the cached one at 75%, (d) a 10-turn chat where the model
+serves other work between turns (it is reset before each turn, as a server's shared model is).
+
+Like is compared with like:
+
+- the set-ups take turns in a rotating order (per variant, per chat turn), so drift on a shared machine
+  and whoever warms a cache line first do not favour one of them;
+- saving is timed after new tokens were evaluated each time (what a completion pays), not as repeated
+  saves of an unchanged context;
+- both caches' memory is measured the same way: the distinct buffers their entries hold
+  (:func:`~llama_cache.state.memory.memory_blocks`), against the same unit, llama.cpp's bytes for the
+  sequence's KV.
+
+Per scenario it reports ours against llama-cpp-python's hit (their time to first token over ours) and,
+for every state ours restored, the restore time against a restore of the same state held in canonical
+form (llama.cpp's own bytes, handed over without assembly): the median and the largest such ratio
+(target: at most 1.5), in the restoring thread's CPU time, which other processes do not inflate.
 """
 
 from __future__ import annotations
@@ -22,12 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp
+import numpy as np
 from tqdm import tqdm
 
-from llama_cache.state.memory import memory_blocks
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.llama import Llama
-from llama_cache.measure import timed_chat_completion, timed_completion
+from llama_cache.measure import RestoreTiming, recording_restores, timed_chat_completion, timed_completion
+from llama_cache.state.llama_state import RESTORE_STAGING, LlamaState
+from llama_cache.state.memory import memory_blocks
 
 _FACTS = [
     "Llamas were domesticated in the Andes several thousand years ago",
@@ -39,6 +56,9 @@ _FACTS = [
     "they were the main pack animal of the Inca road network",
     "a baby llama is called a cria and stands within an hour of birth",
 ]
+
+
+_EVICT_BYTES = 64 << 20  # more than any CPU cache here
 
 
 @dataclass
@@ -55,9 +75,14 @@ class ScenarioResult:
     ttft_ms: dict[str, float] = field(default_factory=dict)  # median over the variants
     runs_ms: dict[str, list[float]] = field(default_factory=dict)
     evaluated: dict[str, int] = field(default_factory=dict)  # the most any variant evaluated
+    restores: list[dict[str, Any]] = field(default_factory=list)  # ours: every restore, see _restore_rows
+    ours_vs_theirs: float = 0.0  # their median time to first token over ours
+    max_restore_ratio: float | None = None  # ours: slowest restore against its canonical twin
+    median_restore_ratio: float | None = None
 
 
-def _document(llm: llama_cpp.Llama, target_tokens: int) -> list[int]:
+def document_tokens(llm: llama_cpp.Llama, target_tokens: int) -> list[int]:
+    """A document of notes about llamas and a question, at least ``target_tokens`` tokens long."""
     sentences: list[str] = []
     index = 0
     while True:
@@ -67,6 +92,11 @@ def _document(llm: llama_cpp.Llama, target_tokens: int) -> list[int]:
         tokens = llm.tokenize((" ".join(sentences) + "\nQuestion: what is the most surprising note?\nAnswer:").encode())
         if len(tokens) >= target_tokens:
             return tokens
+
+
+def _rotated(setups: list[Setup], shift: int) -> list[Setup]:
+    shift %= len(setups)
+    return setups[shift:] + setups[:shift]
 
 
 def _request(setup: Setup, prompt: list[int]) -> tuple[float, int]:
@@ -87,7 +117,7 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> st
     ours_llm = Llama(**common, cache=ours_cache)
     setups = [Setup("cold", cold_llm, None), Setup("theirs", theirs_llm, theirs_cache), Setup("ours", ours_llm, ours_cache)]
 
-    document = _document(cold_llm, prompt_tokens)
+    document = document_tokens(cold_llm, prompt_tokens)
     cut = int(len(document) * 0.75)
 
     def words(text: str) -> list[int]:
@@ -110,21 +140,26 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> st
             progress.update(1)
         progress.update(1)
         entry_bytes = _entry_bytes(theirs_cache, ours_cache)
-        entry_bytes.update(_save_ms(theirs_llm, ours_llm))
-        for title, variants in scenarios:
+        entry_bytes.update(_save_ms(theirs_llm, ours_llm, words(" " + " ".join(_FACTS))))
+        for index, (title, variants) in enumerate(scenarios):
             result = ScenarioResult(title, len(variants[0]))
-            for prompt in variants:
-                for setup in setups:
+            for variant, prompt in enumerate(variants):
+                for setup in _rotated(setups, index + variant):
                     setup.llm.reset()
-                    ttft, evaluated = _request(setup, prompt)
+                    with recording_restores(setup.llm) as restores:
+                        ttft, evaluated = _request(setup, prompt)
+                    if setup.name == "ours":
+                        result.restores += _restore_rows(ours_llm, restores)
                     result.runs_ms.setdefault(setup.name, []).append(ttft)
                     result.evaluated[setup.name] = max(evaluated, result.evaluated.get(setup.name, 0))
                     progress.update(1)
             result.ttft_ms = {name: statistics.median(runs) for name, runs in result.runs_ms.items()}
+            _compare(result)
             results.append(result)
-        chat = {setup.name: _chat(setup, turns, progress) for setup in setups}
+        chat, chat_restores = _chats(setups, turns, progress)
+    entry_bytes["staging_bytes"] = float(RESTORE_STAGING.idle_nbytes)
 
-    report = _report(results, chat, entry_bytes, len(document))
+    report = _report(results, chat, chat_restores, entry_bytes, len(document))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": model_path.name,
@@ -132,80 +167,185 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> st
         "prompt_tokens": len(document),
         "scenarios": [asdict(r) for r in results],
         "chat": chat,
+        "chat_restores": chat_restores,
         "bytes_per_entry": entry_bytes,
     }, indent=2))
     return f"{report}\n\nJSON written to {out}"
 
 
-def _chat(setup: Setup, turns: int, progress: tqdm) -> dict[str, Any]:
-    history = [{"role": "system", "content": "You answer questions about llamas in one sentence."}]
-    evaluated: list[int] = []
-    ttft: list[float] = []
-    started = time.perf_counter()
+def _compare(result: ScenarioResult) -> None:
+    result.ours_vs_theirs = result.ttft_ms["theirs"] / result.ttft_ms["ours"]
+    ratios = [row["ratio"] for row in result.restores]
+    result.max_restore_ratio = max(ratios) if ratios else None
+    result.median_restore_ratio = statistics.median(ratios) if ratios else None
+
+
+def _restore_rows(llm: Llama, restores: list[RestoreTiming], repeats: int = 3) -> list[dict[str, Any]]:
+    """Each restore ``llm`` made, against the median restore of the same state in canonical form.
+
+    The canonical twin holds exactly the bytes llama.cpp is handed, so restoring it copies nothing
+    before ``llama_state_seq_set_data``: the memory-speed floor that assembled states are held to. The
+    twins are restored after the request, outside its timing (the next request resets the context),
+    each time after the CPU caches were flushed by writing a buffer larger than them. The ratio is of
+    the restoring thread's CPU time (page faults included), which other processes on a shared machine
+    do not inflate; wall times are kept beside it.
+    """
+    rows: list[dict[str, Any]] = []
+    scratch = np.empty(_EVICT_BYTES, dtype=np.uint8)
+    for restore in restores:
+        state = restore.state
+        if not isinstance(state, LlamaState):
+            continue
+        twin = LlamaState.from_seq_bytes(state.tokens, state.logits, state.seed, state.fingerprint, state.seq_bytes(0))
+        assert not twin.needs_assembly(0)
+        walls, cpus = [], []
+        for _ in range(repeats):
+            # The request's restore found the state's bytes out of the CPU caches (other set-ups ran in
+            # between); so must the twin's, or a small state would be compared with an L2-hot copy.
+            scratch.fill(1)
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            llm.load_state(twin)
+            walls.append((time.perf_counter() - started) * 1000)
+            cpus.append((time.thread_time() - cpu_started) * 1000)
+        canonical_cpu_ms = statistics.median(cpus)
+        rows.append({
+            "n_tokens": state.n_tokens,
+            "segments": len(state.segments),
+            "assembled": state.needs_assembly(0),
+            "ms": restore.seconds * 1000,
+            "canonical_ms": statistics.median(walls),
+            "cpu_ms": restore.cpu_seconds * 1000,
+            "canonical_cpu_ms": canonical_cpu_ms,
+            "ratio": restore.cpu_seconds * 1000 / canonical_cpu_ms,
+        })
+    return rows
+
+
+def _chats(setups: list[Setup], turns: int, progress: tqdm) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One chat per set-up, turn by turn, the set-ups in an order rotating with the turn."""
+    histories = {setup.name: [{"role": "system", "content": "You answer questions about llamas in one sentence."}]
+                 for setup in setups}
+    chat: dict[str, Any] = {setup.name: {"evaluated_per_turn": [], "ttft_ms_per_turn": [], "total_s": 0.0}
+                            for setup in setups}
+    restore_rows: list[dict[str, Any]] = []
     for turn in range(turns):
-        history.append({"role": "user", "content": f"Tell me fact number {turn + 1} about llamas."})
-        setup.llm.reset()  # the shared model served someone else in between
-        result = timed_chat_completion(setup.llm, history, max_tokens=12, temperature=0.0, seed=0)
-        history.append({"role": "assistant", "content": result.text})
-        evaluated.append(result.prompt_tokens_evaluated)
-        ttft.append(result.ttft_s * 1000)
-        progress.update(1)
-    return {"evaluated_per_turn": evaluated, "ttft_ms_per_turn": ttft, "total_s": time.perf_counter() - started}
+        for setup in _rotated(setups, turn):
+            history = histories[setup.name]
+            history.append({"role": "user", "content": f"Tell me fact number {turn + 1} about llamas."})
+            setup.llm.reset()  # the shared model served someone else in between
+            started = time.perf_counter()
+            with recording_restores(setup.llm) as restores:
+                result = timed_chat_completion(setup.llm, history, max_tokens=12, temperature=0.0, seed=0)
+            row = chat[setup.name]
+            row["total_s"] += time.perf_counter() - started
+            history.append({"role": "assistant", "content": result.text})
+            row["evaluated_per_turn"].append(result.prompt_tokens_evaluated)
+            row["ttft_ms_per_turn"].append(result.ttft_s * 1000)
+            if setup.name == "ours":
+                assert isinstance(setup.llm, Llama)
+                restore_rows += _restore_rows(setup.llm, restores)
+            progress.update(1)
+    return chat, restore_rows
+
+
+def _held_bytes(values: list[Any]) -> int:
+    """Bytes the distinct buffers of ``values`` hold (a buffer shared by several entries counts once)."""
+    blocks: dict[Any, int] = {}
+    for value in values:
+        blocks.update(memory_blocks(value))
+    return sum(blocks.values())
 
 
 def _entry_bytes(theirs: Any, ours: LlamaRAMCache) -> dict[str, float]:
-    """What each cache charges for its first request (the document), against llama.cpp's state bytes.
+    """What each cache holds after its first request (the document), measured the same way for both.
 
-    Ours holds two entries for it (the prompt's state and prompt+completion's) sharing one KV buffer;
-    theirs holds one. Theirs is measured honestly (``memory_blocks``), not by its own ``cache_size``.
+    Both are charged the distinct buffers their entries hold (``memory_blocks``), not what each cache
+    reports about itself, against one unit: llama.cpp's bytes for the sequence's KV. Ours holds two
+    entries (the prompt's state and prompt+completion's, sharing one KV buffer); theirs holds one.
     """
-    (their_state,) = theirs.cache_state.values()
-    their_owned = sum(size for _, size in memory_blocks(their_state))
-    ours_longest = ours.peek(max(ours.keys(), key=len))  # no lookup: it would change recency
-    assert ours_longest is not None
+    theirs_values = list(theirs.cache_state.values())
+    ours_values = [ours.peek(key) for key in ours.keys()]  # no lookup: it would change recency
+    longest = max(ours_values, key=lambda state: state.n_tokens)
+    unit = float(longest.llama_state_size)
+    theirs_held, ours_held = _held_bytes(theirs_values), _held_bytes(ours_values)
     return {
-        "llama_cpp_state_bytes": float(their_state.llama_state_size),
-        "theirs_bytes": float(their_owned),
-        "theirs_ratio": their_owned / their_state.llama_state_size,
-        "ours_bytes": float(ours.cache_size),
-        "ours_ratio": ours.cache_size / ours_longest.llama_state_size,
+        "llama_cpp_seq_state_bytes": unit,
+        "theirs_entries": float(len(theirs_values)),
+        "theirs_bytes": float(theirs_held),
+        "theirs_ratio": theirs_held / unit,
+        "ours_entries": float(len(ours_values)),
+        "ours_bytes": float(ours_held),
+        "ours_ratio": ours_held / unit,
     }
 
 
-def _save_ms(theirs: llama_cpp.Llama, ours: Llama, repeats: int = 5) -> dict[str, float]:
-    """Median time of one ``save_state`` (what a completion pays before returning), each model as it is."""
+def _save_ms(theirs: llama_cpp.Llama, ours: Llama, new_tokens: list[int], repeats: int = 5,
+             step: int = 8) -> dict[str, float]:
+    """Median time of ``save_state`` after ``step`` new tokens were evaluated, each model as it is.
 
-    def median_ms(llm: llama_cpp.Llama) -> float:
-        times = []
-        for _ in range(repeats):
+    Every save follows new tokens, as a completion's does: ours then copies only their KV (the rest is
+    shared with the state the context was built on), theirs copies the whole context state. The two
+    models take turns in a rotating order.
+    """
+    if len(new_tokens) < repeats * step:
+        raise ValueError(f"{repeats * step} new tokens needed, got {len(new_tokens)}")
+    times: dict[str, list[float]] = {"theirs": [], "ours": []}
+    models: list[tuple[str, llama_cpp.Llama]] = [("theirs", theirs), ("ours", ours)]
+    for rep in range(repeats):
+        chunk = new_tokens[rep * step : (rep + 1) * step]
+        for name, llm in models[rep % 2 :] + models[: rep % 2]:
+            llm.eval(chunk)
             started = time.perf_counter()
             llm.save_state()
-            times.append((time.perf_counter() - started) * 1000)
-        return sorted(times)[len(times) // 2]
+            times[name].append((time.perf_counter() - started) * 1000)
+    return {"theirs_save_ms": statistics.median(times["theirs"]), "ours_save_ms": statistics.median(times["ours"]),
+            "save_new_tokens": float(step)}
 
-    return {"theirs_save_ms": median_ms(theirs), "ours_save_ms": median_ms(ours)}
 
-
-def _report(results: list[ScenarioResult], chat: dict[str, Any], entry_bytes: dict[str, float], n: int) -> str:
+def _report(results: list[ScenarioResult], chat: dict[str, Any], chat_restores: list[dict[str, Any]],
+            entry_bytes: dict[str, float], n: int) -> str:
     lines: list[str] = []
-    lines.append(f"time to first token, {n}-token prompt, median of 3 variants (prompt tokens evaluated in brackets)\n")
-    header = f"{'scenario':<28}{'cold':>18}{'llama-cpp-python':>20}{'llama-cache':>18}{'vs cold':>9}{'vs theirs':>11}"
+    lines.append(f"time to first token, {n}-token prompt, median of 3 variants (prompt tokens evaluated in brackets);")
+    lines.append("set-ups in rotating order; restore = ours' restore / the same state's canonical restore, in")
+    lines.append("the restoring thread's CPU time: median and slowest of the scenario's restores\n")
+    header = (f"{'scenario':<28}{'cold':>18}{'llama-cpp-python':>20}{'llama-cache':>18}{'vs cold':>9}"
+              f"{'vs theirs':>11}{'restore':>15}")
     lines.append(header)
     lines.append("-" * len(header))
     for r in results:
         cells = [f"{r.ttft_ms[s]:8.0f} ms ({r.evaluated[s]:>4})" for s in ("cold", "theirs", "ours")]
+        restore = "-"
+        if r.max_restore_ratio is not None:
+            restore = f"{r.median_restore_ratio:.2f}x {r.max_restore_ratio:.2f}x"
         lines.append(f"{r.scenario:<28}{cells[0]:>18}{cells[1]:>20}{cells[2]:>18}"
-              f"{r.ttft_ms['cold'] / r.ttft_ms['ours']:>8.1f}x{r.ttft_ms['theirs'] / r.ttft_ms['ours']:>10.1f}x")
-    lines.append(f"\n{len(chat['ours']['evaluated_per_turn'])}-turn chat (model reset between turns): prompt tokens evaluated per turn")
+                     f"{r.ttft_ms['cold'] / r.ttft_ms['ours']:>8.1f}x{r.ours_vs_theirs:>10.1f}x{restore:>15}")
+    turns = len(chat["ours"]["evaluated_per_turn"])
+    lines.append(f"\n(d) {turns}-turn chat (model reset between turns): prompt tokens evaluated per turn")
     for name in ("cold", "theirs", "ours"):
-        lines.append(f"  {name:<7} {chat[name]['evaluated_per_turn']}  total {chat[name]['total_s']:.2f} s")
+        ttft = sum(chat[name]["ttft_ms_per_turn"])
+        lines.append(f"  {name:<7} {chat[name]['evaluated_per_turn']}  time to first token, all turns "
+                     f"{ttft:.0f} ms; total {chat[name]['total_s']:.2f} s")
+    ours_ttft, theirs_ttft = sum(chat["ours"]["ttft_ms_per_turn"]), sum(chat["theirs"]["ttft_ms_per_turn"])
+    chat_ratios = [row["ratio"] for row in chat_restores]
+    restore = f"{statistics.median(chat_ratios):.2f}x / {max(chat_ratios):.2f}x" if chat_ratios else "-"
+    lines.append(f"  ours vs theirs (time to first token, all turns): {theirs_ttft / ours_ttft:.1f}x; "
+                 f"restore / canonical, median / slowest: {restore}")
+    every = [row["ratio"] for r in results for row in r.restores] + [row["ratio"] for row in chat_restores]
+    if every:
+        verdict = "met" if max(every) <= 1.5 else "NOT met"
+        lines.append(f"\nno state restore slower than 1.5x the canonical one: {verdict} "
+                     f"(median {statistics.median(every):.2f}x, max {max(every):.2f}x over {len(every)} restores)")
+    unit = entry_bytes["llama_cpp_seq_state_bytes"]
     lines.append(
-        f"\nbytes per cached entry: llama.cpp state {entry_bytes['llama_cpp_state_bytes'] / 2**20:.1f} MiB; "
-        f"theirs {entry_bytes['theirs_bytes'] / 2**20:.1f} MiB ({entry_bytes['theirs_ratio']:.2f}x), "
-        f"ours {entry_bytes['ours_bytes'] / 2**20:.1f} MiB ({entry_bytes['ours_ratio']:.2f}x)"
+        f"\nmemory held after the first request, distinct buffers of all entries, in units of llama.cpp's "
+        f"{unit / 2**20:.1f} MiB sequence state: theirs {entry_bytes['theirs_bytes'] / 2**20:.1f} MiB in "
+        f"{entry_bytes['theirs_entries']:.0f} entry ({entry_bytes['theirs_ratio']:.2f}x), ours "
+        f"{entry_bytes['ours_bytes'] / 2**20:.1f} MiB in {entry_bytes['ours_entries']:.0f} entries "
+        f"({entry_bytes['ours_ratio']:.2f}x); ours' restore staging buffer (process-wide) "
+        f"{entry_bytes['staging_bytes'] / 2**20:.1f} MiB"
     )
     lines.append(
-        f"saving a state after a completion: theirs {entry_bytes['theirs_save_ms']:.0f} ms, "
-        f"ours {entry_bytes['ours_save_ms']:.0f} ms"
+        f"saving a state after {entry_bytes['save_new_tokens']:.0f} new tokens (median of 5): "
+        f"theirs {entry_bytes['theirs_save_ms']:.0f} ms, ours {entry_bytes['ours_save_ms']:.0f} ms"
     )
     return "\n".join(lines)

@@ -367,17 +367,27 @@ class Llama(llama_cpp.Llama):
             raise IncompatibleStateError(f"state has {len(state.logits)} logits, the model {self._n_vocab_cached}")
         try:
             check_vocabulary(state.tokens, self._n_vocab_cached)
-            data = np.ascontiguousarray(state.seq_bytes(_SEQ))
-        except (ValueError, TypeError) as error:
+        except ValueError as error:
             raise IncompatibleStateError(f"unusable state: {error}") from None
         memory = llama_cpp.llama_get_memory(self._ctx.ctx)
-        llama_cpp.llama_memory_seq_rm(memory, _SEQ, -1, -1)
-        read = llama_cpp.llama_state_seq_set_data(
-            self._ctx.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), _SEQ
-        )
-        if read != len(data):
+        try:
+            # The bytes are lent for the block only (a reused staging buffer for assembled states); they
+            # may hold a few more tokens than the state (its parent's bytes), cut right after.
+            with state.restore_source(_SEQ) as (data, held):
+                llama_cpp.llama_memory_seq_rm(memory, _SEQ, -1, -1)
+                read = llama_cpp.llama_state_seq_set_data(
+                    self._ctx.ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), _SEQ
+                )
+                size = len(data)
+        except (ValueError, TypeError) as error:  # segments that do not assemble
             self._after_refused_state()
-            logger.warning("cache miss: llama.cpp refused a %d-byte state (read %d)", len(data), read)
+            raise IncompatibleStateError(f"unusable state: {error}") from None
+        if read == size and held > state.n_tokens:
+            if not llama_cpp.llama_memory_seq_rm(memory, _SEQ, state.n_tokens, -1):
+                read = 0  # cannot happen with transformer KV; handled as a refused state
+        if read != size:
+            self._after_refused_state()
+            logger.warning("cache miss: llama.cpp refused a %d-byte state (read %d)", size, read)
             raise IncompatibleStateError("llama.cpp refused the state")
         if self.checkpoints is not None:
             notify_seq_changed(self._ctx.ctx, _SEQ)

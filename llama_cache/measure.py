@@ -1,4 +1,5 @@
-"""Measuring completions: time to first token and prompt tokens evaluated, for any ``llama_cpp.Llama``.
+"""Measuring completions: time to first token and prompt tokens evaluated, for any ``llama_cpp.Llama``;
+and the time of each state restore.
 
 Used by the CLI's demo and benchmarks, and by tests that check how many tokens a cache saved.
 """
@@ -68,6 +69,42 @@ def recording_evals(llm: llama_cpp.Llama) -> Iterator[EvalRecorder]:
         yield recorder
     finally:
         del llm.eval  # back to the class's method
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreTiming:
+    """One ``load_state`` call: the state restored, the seconds it took and the CPU seconds its thread used.
+
+    ``cpu_seconds`` (``time.thread_time``) counts the calling thread's own work, page faults included,
+    and not the time other processes held the CPU: on a shared machine it is the steadier measure.
+    """
+
+    state: Any
+    seconds: float
+    cpu_seconds: float
+
+
+@contextmanager
+def recording_restores(llm: llama_cpp.Llama) -> Iterator[list[RestoreTiming]]:
+    """Wrap ``llm.load_state`` for the duration of the block; the list gets one entry per call, in order.
+
+    A call that raises is recorded too (a refused state costs its time as well).
+    """
+    restores: list[RestoreTiming] = []
+    original = llm.load_state
+
+    def load_and_record(state: Any) -> None:
+        started, cpu_started = time.perf_counter(), time.thread_time()
+        try:
+            original(state)
+        finally:
+            restores.append(RestoreTiming(state, time.perf_counter() - started, time.thread_time() - cpu_started))
+
+    llm.load_state = load_and_record  # type: ignore[method-assign]
+    try:
+        yield restores
+    finally:
+        del llm.load_state  # back to the class's method
 
 
 def _consume(stream: Iterator[Any], started: float, recorder: EvalRecorder, llm: llama_cpp.Llama,

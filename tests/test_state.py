@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Iterator
 
+import llama_cpp
 import numpy as np
 import pytest
 
 from llama_cache import default_model_path
 from llama_cache.llama import Llama
 from llama_cache.state import format as state_format
-from llama_cache.state.kv_layout import parse_seq_state, serialize_segments
-from llama_cache.state.llama_state import LlamaState
+from llama_cache.state.kv_layout import parse_seq_state, serialize_segments, serialize_segments_into
+from llama_cache.state.llama_state import RESTORE_STAGING, LlamaState
 
 TEXT = b"The llama hummed softly while the herd crossed the high pass at dawn."
 
@@ -122,3 +124,122 @@ def test_a_state_needs_kv_segments_covering_its_tokens_or_opaque_bytes(llm: Llam
     state = llm.save_state()
     with pytest.raises(ValueError):
         LlamaState(tokens, None, 0, "f", layout=state.layout, segments=state.segments)
+
+
+def _canonical(llm: Llama) -> LlamaState:
+    """A state holding llama.cpp's own bytes for the evaluated text (a save may share an earlier state's)."""
+    tokens = np.array(llm.input_ids[: llm.n_tokens], dtype=np.int32)
+    return LlamaState.from_seq_bytes(tokens, None, 0, llm.fingerprint, llm._read_seq_bytes())
+
+
+def _states(llm: Llama) -> dict[str, LlamaState]:
+    """A canonical state, a view of its first tokens and a state of two segments (view + own tokens)."""
+    whole = _canonical(llm)
+    view = whole.prefix(5, logits=None)
+    two = view.extended(5, whole.tokens, whole.logits, whole.seed, llm._read_seq_bytes())
+    assert len(two.segments) == 2 and two.segments[0].buffer is whole.segments[0].buffer
+    return {"canonical": whole, "view": view, "two segments": two}
+
+
+@pytest.mark.parametrize("kind", ["canonical", "view", "two segments"])
+@pytest.mark.parametrize("seq_id", [0, 3])
+def test_restore_bytes_are_the_assembled_bytes(llm: Llama, kind: str, seq_id: int) -> None:
+    state = _states(llm)[kind]
+    expected = serialize_segments(state.layout, list(state.segments), seq_id)  # type: ignore[arg-type]
+    assert np.array_equal(state.seq_bytes(seq_id), expected)
+    assert state.needs_assembly(seq_id) == (kind != "canonical" or seq_id != 0)
+    for _ in range(2):  # the second time in a reused buffer
+        with state.restore_bytes(seq_id) as data:
+            assert data.flags.c_contiguous and not data.flags.writeable
+            assert np.array_equal(data, expected)
+
+
+def test_restore_bytes_of_canonical_and_opaque_states_are_lent_without_a_copy(llm: Llama) -> None:
+    state = _canonical(llm)
+    with state.restore_bytes(0) as data:
+        assert np.shares_memory(data, state.segments[0].buffer)
+    opaque = LlamaState(state.tokens, None, 0, "f", opaque=state.seq_bytes().copy())
+    with opaque.restore_bytes(0) as data:
+        assert np.shares_memory(data, opaque.seq_bytes())
+
+
+def test_assembled_states_are_staged_ahead_and_restored_in_a_reused_buffer(llm: Llama) -> None:
+    RESTORE_STAGING.clear()
+    states = _states(llm)  # making the view and the two-segment state reserves a buffer for them
+    allocations = RESTORE_STAGING.allocations
+    assert RESTORE_STAGING.idle_nbytes >= states["two segments"].llama_state_size
+    for state in (states["view"], states["two segments"], states["view"]):
+        with state.restore_bytes(0):
+            pass
+    assert RESTORE_STAGING.allocations == allocations
+    assert not np.shares_memory(states["view"].seq_bytes(), RESTORE_STAGING._idle[-1])  # seq_bytes owns its copy
+
+
+def test_a_staged_state_restores_into_llama_cpp(llm: Llama) -> None:
+    """Bytes lent by restore_bytes are read by llama.cpp whole, and it then holds exactly that sequence."""
+    view = llm.save_state().prefix(6, logits=None)
+    ctx = llm._ctx.ctx
+    try:
+        with view.restore_bytes(0) as data:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, -1, -1)
+            pointer = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+            assert llama_cpp.llama_state_seq_set_data(ctx, pointer, len(data), 0) == len(data)
+        assert np.array_equal(llm._read_seq_bytes(), view.seq_bytes())
+    finally:  # the module's model goes back to holding the whole text
+        llm.reset()
+        llm.eval(llm.tokenize(TEXT))
+
+
+def test_serialize_into_checks_its_target(llm: Llama) -> None:
+    state = llm.save_state()
+    assert state.layout is not None
+    size = state.llama_state_size
+    out = np.full(size + 10, 0xEE, np.uint8)
+    written = serialize_segments_into(state.layout, list(state.segments), out)
+    assert len(written) == size and np.shares_memory(written, out) and (out[size:] == 0xEE).all()
+    assert np.array_equal(written, state.seq_bytes())
+    with pytest.raises(ValueError):
+        serialize_segments_into(state.layout, list(state.segments), np.empty(size - 1, np.uint8))
+    with pytest.raises(ValueError):
+        serialize_segments_into(state.layout, list(state.segments), np.empty(size, np.int16))
+    with pytest.raises(ValueError):
+        serialize_segments_into(state.layout, list(state.segments), np.empty(2 * size, np.uint8)[::2])
+
+
+def _restore_and_read_back(llm: Llama, data: np.ndarray, keep: int | None) -> np.ndarray:
+    ctx = llm._ctx.ctx
+    memory = llama_cpp.llama_get_memory(ctx)
+    llama_cpp.llama_memory_seq_rm(memory, 0, -1, -1)
+    pointer = data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+    assert llama_cpp.llama_state_seq_set_data(ctx, pointer, len(data), 0) == len(data)
+    if keep is not None:
+        assert llama_cpp.llama_memory_seq_rm(memory, 0, keep, -1)
+    return llm._read_seq_bytes()
+
+
+def test_a_view_close_to_its_parent_restores_from_the_parent_bytes_then_cuts(llm: Llama) -> None:
+    whole = _canonical(llm)
+    n = whole.n_tokens
+    view = whole.prefix(n - 2, logits=None)
+    assert not view.needs_assembly(0) and view.needs_assembly(1)
+    try:
+        with view.restore_source(0) as (data, held):
+            assert held == n and np.shares_memory(data, whole.seq_bytes()) and not data.flags.writeable
+            restored = _restore_and_read_back(llm, data, view.n_tokens)
+        assert np.array_equal(restored, view.seq_bytes())
+    finally:
+        llm.reset()
+        llm.eval(llm.tokenize(TEXT))
+
+
+@pytest.mark.parametrize("case", ["far from its parent", "another sequence", "two segments"])
+def test_other_states_restore_from_assembled_bytes(llm: Llama, case: str) -> None:
+    states = _states(llm)
+    state, seq_id = {
+        "far from its parent": (states["view"], 0),  # 5 of the text's tokens: far more than a quarter cut
+        "another sequence": (states["canonical"].prefix(states["canonical"].n_tokens - 1, None), 3),
+        "two segments": (states["two segments"], 0),
+    }[case]
+    with state.restore_source(seq_id) as (data, held):
+        assert held == state.n_tokens
+        assert np.array_equal(data, state.seq_bytes(seq_id))

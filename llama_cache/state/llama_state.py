@@ -4,23 +4,37 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
 from llama_cache.state.kv_layout import (
+    CELL_BYTES,
+    SEQ_STATE_MAGIC,
     Bytes,
     KVLayout,
     KVSegment,
+    StagingPool,
     canonical_seq_id,
     parse_seq_state,
     serialize_segments,
+    serialize_segments_into,
 )
 from llama_cache.state.memory import MemoryBlock
 
 # llama-cpp-python's load_state, which cannot restore our states (see LlamaState.scores).
 _UPSTREAM_LOAD_STATE = llama_cpp.Llama.load_state.__code__
+
+_MAX_PARENT_EXTRA = 0.25  # restoring a quarter more tokens and cutting them beats assembling
+
+RESTORE_STAGING = StagingPool()
+"""The buffers :meth:`LlamaState.restore_bytes` assembles states in, shared by every state of the process.
+
+It holds at most ``max_idle`` (2) buffers of up to ``growth`` (1.5) times the largest state assembled
+so far; ``RESTORE_STAGING.clear()`` gives them back to the system.
+"""
 
 
 class IncompatibleStateError(KeyError):
@@ -121,14 +135,104 @@ class LlamaState:
         """llama.cpp's per-sequence bytes for this state, ready for ``llama_state_seq_set_data``.
 
         Opaque states return their buffer, and so do states made from llama.cpp bytes already in
-        canonical form (cells in position order, of ``seq_id``); segmented ones are assembled (one copy).
+        canonical form (cells in position order, of ``seq_id``); segmented ones are assembled (one copy)
+        into a new buffer the caller may keep. To restore, :meth:`restore_bytes` is faster.
         """
+        direct = self._direct_bytes(seq_id)
+        if direct is not None:
+            return direct
+        assert self._layout is not None
+        return serialize_segments(self._layout, list(self._segments), seq_id)
+
+    @contextmanager
+    def restore_bytes(self, seq_id: int = 0) -> Iterator[Bytes]:
+        """The bytes :meth:`seq_bytes` gives, as a read-only contiguous view valid inside the block only.
+
+        Bytes the state holds whole (opaque or canonical) are lent as they are. Segmented states are
+        assembled into a reused, already-faulted buffer of :data:`RESTORE_STAGING`: one copy at memory
+        speed, where assembling into fresh memory spends most of its time faulting pages in. The
+        buffer goes back to the pool when the block ends and is overwritten by the next restore, so
+        hand the view to ``llama_state_seq_set_data`` inside the block and keep nothing of it.
+
+        Thread-safety: concurrent blocks (from any threads, of the same state or others) each get a
+        buffer of their own.
+        """
+        direct = self._direct_bytes(seq_id)
+        if direct is not None:
+            yield _read_only(np.ascontiguousarray(direct))
+            return
+        assert self._layout is not None
+        with RESTORE_STAGING.borrow(self.llama_state_size) as buffer:
+            assembled = serialize_segments_into(self._layout, list(self._segments), buffer, seq_id)
+            yield _read_only(assembled)
+
+    @contextmanager
+    def restore_source(self, seq_id: int = 0) -> Iterator[tuple[Bytes, int]]:
+        """Bytes to restore this state from and the tokens they hold, valid inside the block only.
+
+        Like :meth:`restore_bytes`, with one more way to skip assembly: a view of the first tokens of
+        a state made from llama.cpp's bytes (the prompt's state cut from prompt + completion) is lent
+        its parent's bytes whole, when those hold at most a quarter more tokens. The tokens held are
+        then more than :attr:`n_tokens`, and after ``llama_state_seq_set_data`` the caller removes
+        positions ``n_tokens`` onwards (``llama_memory_seq_rm(memory, seq_id, n_tokens, -1)``): the
+        sequence is then exactly this state's, restored at the cost of a canonical state's.
+
+        Yields:
+            ``(data, held)``: read-only contiguous bytes for ``llama_state_seq_set_data`` and the
+            number of tokens they hold (``held >= n_tokens``).
+        """
+        parent = self._parent_bytes(seq_id)
+        if parent is not None:
+            yield _read_only(parent[0]), parent[1]
+            return
+        with self.restore_bytes(seq_id) as data:
+            yield data, self.n_tokens
+
+    def _parent_bytes(self, seq_id: int) -> tuple[Bytes, int] | None:
+        """llama.cpp's canonical bytes this state's only segment is the head of, and their token count.
+
+        None unless the segment's buffer is such bytes for ``seq_id``, the segment's first layer sits
+        where parsing them puts it, and they hold at most ``_MAX_PARENT_EXTRA`` more tokens.
+        """
+        if self._layout is None or len(self._segments) != 1 or self._direct_bytes(seq_id) is not None:
+            return None
+        segment = self._segments[0]
+        buffer = segment.buffer
+        if buffer.ndim != 1 or len(buffer) < 16 or not buffer.flags.c_contiguous:
+            return None
+        held = int(buffer[12:16].view("<u4")[0])
+        if not self.n_tokens <= held <= self.n_tokens * (1 + _MAX_PARENT_EXTRA):
+            return None
+        if len(buffer) != self._layout.serialized_size(held) or int(buffer[:4].view("<u4")[0]) != SEQ_STATE_MAGIC:
+            return None
+        first_keys = 16 + held * CELL_BYTES + 8 + 12  # header, cells, v_trans and n_layer, layer 0's header
+        if segment.k[0].ctypes.data != buffer.ctypes.data + first_keys:
+            return None
+        if canonical_seq_id(buffer, held) != seq_id:
+            return None
+        return buffer, held
+
+    def needs_assembly(self, seq_id: int = 0) -> bool:
+        """Whether restoring into ``seq_id`` through :meth:`restore_source` copies KV segments first.
+
+        False for opaque states, for states holding llama.cpp's own bytes for that sequence and for
+        views restored from their parent's bytes.
+        """
+        return self._direct_bytes(seq_id) is None and self._parent_bytes(seq_id) is None
+
+    def _direct_bytes(self, seq_id: int) -> Bytes | None:
+        """The bytes this state holds whole, if they are what restoring it into ``seq_id`` needs."""
         if self._opaque is not None:
             return self._opaque
         if self._canonical is not None and self._canonical[1] == seq_id:
             return self._canonical[0]
-        assert self._layout is not None
-        return serialize_segments(self._layout, list(self._segments), seq_id)
+        return None
+
+    def _stage_ahead(self) -> LlamaState:
+        """Have a staging buffer ready for this state, so its first restore faults no memory in."""
+        if self.needs_assembly(0):
+            RESTORE_STAGING.reserve(self.llama_state_size)
+        return self
 
     def memory_blocks(self) -> list[MemoryBlock]:
         """The buffers this state holds, for caches that charge shared buffers once."""
@@ -166,7 +270,7 @@ class LlamaState:
             self.fingerprint,
             layout=self._layout,
             segments=tuple(_head_segments(self._segments, n_tokens, self._layout)),
-        )
+        )._stage_ahead()
 
     def extended(
         self,
@@ -195,7 +299,8 @@ class LlamaState:
         segments = list(_head_segments(self._segments, shared_tokens, layout))
         if len(tokens) > shared_tokens:
             segments.append(whole.slice_copy(shared_tokens, layout))
-        return LlamaState(tokens, logits, seed, self.fingerprint, layout=layout, segments=tuple(segments))
+        state = LlamaState(tokens, logits, seed, self.fingerprint, layout=layout, segments=tuple(segments))
+        return state._stage_ahead()
 
     # -- llama-cpp-python compatible names --------------------------------------------------------
 
@@ -236,6 +341,12 @@ class LlamaState:
     def __repr__(self) -> str:
         kind = "opaque" if self._layout is None else f"{len(self._segments)} segment(s)"
         return f"LlamaState(n_tokens={self.n_tokens}, {kind}, nbytes={self.nbytes})"
+
+
+def _read_only(array: Bytes) -> Bytes:
+    view = array.view()
+    view.flags.writeable = False
+    return view
 
 
 def _head_segments(segments: tuple[KVSegment, ...], n_tokens: int, layout: KVLayout) -> Iterator[KVSegment]:

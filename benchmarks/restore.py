@@ -1,0 +1,208 @@
+"""Restore time of canonical and assembled (view, multi-segment) states: first restore and later ones.
+
+    tools/run python benchmarks/restore.py [--prompt-tokens 1500] [--processes 3] [--later 5]
+
+Each measurement runs in a fresh process (``--processes`` of them per path, in rotating order), because
+what is measured is what a fresh buffer costs the first time: page faults. A process evaluates a
+~1,500-token document plus 16 tokens on the default model (``n_ctx=4096``) and makes three states:
+
+- canonical: prompt + 16 tokens as saved (llama.cpp's own bytes, handed over without a copy);
+- view: the prompt's state cut from it (``LlamaState.prefix``, what a completion caches beside
+  prompt + completion), assembled at restore;
+- two segments: that view extended by 32 new tokens after a restore (``LlamaState.extended``), assembled
+  from the shared KV and the new tokens' own buffer.
+
+Then it restores each state once ("first") and ``--later`` more times, in an order rotating with the
+process, by one of four paths:
+
+- ``seq_bytes``: ``np.ascontiguousarray(state.seq_bytes(0))`` then ``llama_state_seq_set_data`` (what
+  ``Llama.load_state`` did before the staging buffer: a fresh buffer per restore);
+- ``restore_bytes``: ``with state.restore_bytes(0) as data`` then ``llama_state_seq_set_data`` (the
+  reused, pre-faulted staging buffer);
+- ``restore_source``: ``with state.restore_source(0) as (data, held)``, ``llama_state_seq_set_data``, then
+  the tokens past the state cut when ``data`` was its parent's bytes (the view here);
+- ``load_state``: ``llama_cache.Llama.load_state`` as it is in this checkout.
+
+A restore is timed from the start of assembly to the end of ``llama_state_seq_set_data`` (plus the
+sequence removal before it), garbage collector paused, in wall time and in the thread's CPU time
+(``time.thread_time``: page faults count, other processes on a shared machine do not). Reported: median
+milliseconds over processes of the first restore and of the later ones, and each state's ratio, in CPU
+time, to the canonical state's later restores in the same path (target: at most 1.5x). Prints a table
+and writes ``benchmarks/results/restore.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from llama_cache import default_model_path
+from llama_cache.bench import document_tokens
+from llama_cache.llama import Llama
+from llama_cache.state.llama_state import LlamaState
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "restore.json"
+PATHS = ("seq_bytes", "restore_bytes", "restore_source", "load_state")
+KINDS = ("canonical", "view", "two segments")
+RATIO_TARGET = 1.5
+
+
+def _set_data(llm: Llama, data: np.ndarray) -> None:
+    ctx = llm._ctx.ctx
+    llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), 0, -1, -1)
+    read = llama_cpp.llama_state_seq_set_data(ctx, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(data), 0)
+    if read != len(data):
+        raise RuntimeError(f"llama.cpp read {read} of {len(data)} bytes")
+
+
+def _restore(llm: Llama, state: LlamaState, path: str) -> tuple[float, float]:
+    """Wall and thread CPU milliseconds for one restore of ``state`` by ``path``."""
+    started, cpu_started = time.perf_counter(), time.thread_time()
+    if path == "seq_bytes":
+        _set_data(llm, np.ascontiguousarray(state.seq_bytes(0)))
+    elif path == "restore_bytes":
+        with state.restore_bytes(0) as data:
+            _set_data(llm, data)
+    elif path == "restore_source":
+        with state.restore_source(0) as (data, held):
+            _set_data(llm, data)
+        if held > state.n_tokens:
+            llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(llm._ctx.ctx), 0, state.n_tokens, -1)
+    else:
+        llm.load_state(state)
+    return (time.perf_counter() - started) * 1000, (time.thread_time() - cpu_started) * 1000
+
+
+def child(path: str, prompt_tokens: int, later: int, rotation: int) -> dict[str, Any]:
+    """One process's measurements: make the three states, then restore each ``1 + later`` times."""
+    llm = Llama(model_path=str(default_model_path()), n_ctx=4096, n_batch=512, seed=0, verbose=False)
+    document = document_tokens(llm, prompt_tokens)
+    completion = llm.tokenize(b" The cria stood up within the hour and followed the herd.", add_bos=False)
+    llm.eval(document + (completion * 4)[:16])
+    canonical = llm.save_state()
+    view = canonical.prefix(len(document), logits=None)
+    llm.load_state(view)
+    llm.eval((completion * 4)[:32])
+    two = llm.save_state()
+    states = {"canonical": canonical, "view": view, "two segments": two}
+    assert len(two.segments) == 2 and two.segments[0].buffer is not two.segments[1].buffer
+    order = list(KINDS[rotation % len(KINDS):] + KINDS[: rotation % len(KINDS)])
+    times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    cpu_times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(1 + later):
+            for kind in order:
+                wall, cpu = _restore(llm, states[kind], path)
+                times[kind].append(wall)
+                cpu_times[kind].append(cpu)
+    finally:
+        gc.enable()
+    result = {
+        "path": path,
+        "rotation": order,
+        "state_bytes": {kind: state.llama_state_size for kind, state in states.items()},
+        "n_tokens": {kind: state.n_tokens for kind, state in states.items()},
+        "restore_ms": times,
+        "restore_cpu_ms": cpu_times,
+    }
+    llm.close()
+    return result
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per path and state: medians of first and later restores, wall and CPU, and ratios in CPU time."""
+    summary: dict[str, Any] = {}
+    for path in PATHS:
+        mine = [run for run in runs if run["path"] == path]
+        rows: dict[str, Any] = {}
+        for kind in KINDS:
+            rows[kind] = {}
+            for clock, field in (("", "restore_ms"), ("cpu_", "restore_cpu_ms")):
+                rows[kind][f"first_{clock}ms"] = statistics.median(run[field][kind][0] for run in mine)
+                rows[kind][f"later_{clock}ms"] = statistics.median(ms for run in mine for ms in run[field][kind][1:])
+        canonical_later = rows["canonical"]["later_cpu_ms"]
+        for kind in KINDS:
+            # Against the canonical state's later restores: the memory-copy speed to meet every time.
+            rows[kind]["first_vs_canonical"] = rows[kind]["first_cpu_ms"] / canonical_later
+            rows[kind]["later_vs_canonical"] = rows[kind]["later_cpu_ms"] / canonical_later
+        worst = max(max(row["first_vs_canonical"], row["later_vs_canonical"]) for row in rows.values())
+        summary[path] = {"states": rows, "max_ratio": worst, "within_target": worst <= RATIO_TARGET}
+    return summary
+
+
+def report(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    sizes = runs[0]["state_bytes"]
+    tokens = runs[0]["n_tokens"]
+    lines = ["restore, ms: median over processes of the first restore and of later ones, wall and thread CPU;",
+             "ratios of CPU time to the canonical state's later restores (other processes do not inflate it)", ""]
+    lines.append("states: " + ", ".join(f"{k} {tokens[k]} tokens / {sizes[k] / 2**20:.1f} MiB" for k in KINDS))
+    header = (f"{'path':<15}{'state':<14}{'first':>8}{'later':>8}{'cpu first':>11}{'cpu later':>11}"
+              f"{'first/canon':>13}{'later/canon':>13}")
+    lines += ["", header, "-" * len(header)]
+    for path in PATHS:
+        for kind in KINDS:
+            row = summary[path]["states"][kind]
+            lines.append(f"{path:<15}{kind:<14}{row['first_ms']:>8.1f}{row['later_ms']:>8.1f}"
+                         f"{row['first_cpu_ms']:>11.1f}{row['later_cpu_ms']:>11.1f}"
+                         f"{row['first_vs_canonical']:>12.2f}x{row['later_vs_canonical']:>12.2f}x")
+        verdict = "MET" if summary[path]["within_target"] else "NOT MET"
+        lines.append(f"{'':<15}max ratio {summary[path]['max_ratio']:.2f}x "
+                     f"(target <= {RATIO_TARGET}x: {verdict})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=1500)
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per path")
+    parser.add_argument("--later", type=int, default=5, help="restores of each state after its first")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    parser.add_argument("--rotation", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.prompt_tokens, args.later, args.rotation)))
+        return 0
+
+    runs: list[dict[str, Any]] = []
+    for index in range(args.processes):
+        # Paths in a rotating order, so drift on a shared machine does not favour one of them.
+        for offset in range(len(PATHS)):
+            path = PATHS[(index + offset) % len(PATHS)]
+            command = [sys.executable, __file__, "--child", path, "--rotation", str(index),
+                       "--prompt-tokens", str(args.prompt_tokens), "--later", str(args.later)]
+            done = subprocess.run(command, check=True, capture_output=True, text=True)
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"process {len(runs)}/{args.processes * len(PATHS)} ({path}) done", file=sys.stderr)
+    summary = summarize(runs)
+    print(report(summary, runs))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "benchmark": "restore",
+        "command": "tools/run python benchmarks/restore.py",
+        "machine": platform.platform(),
+        "prompt_tokens": args.prompt_tokens,
+        "summary": summary,
+        "runs": runs,
+    }, indent=2) + "\n")
+    print(f"\nJSON written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
