@@ -363,6 +363,7 @@ class Llama(llama_cpp.Llama):
             raise IncompatibleStateError("state was made by another model or KV configuration")
         if state.n_tokens > self._n_ctx:
             raise IncompatibleStateError(f"state of {state.n_tokens} tokens does not fit n_ctx={self._n_ctx}")
+        state = self._part_the_prompt_reuses(state)
         if state.logits is not None and len(state.logits) != self._n_vocab_cached:
             raise IncompatibleStateError(f"state has {len(state.logits)} logits, the model {self._n_vocab_cached}")
         try:
@@ -403,6 +404,25 @@ class Llama(llama_cpp.Llama):
             self._last_logits_pos = n - 1
         else:
             self._last_logits_pos = -1
+
+    def _part_the_prompt_reuses(self, state: LlamaState) -> LlamaState:
+        """Inside a completion: the head of ``state`` its prompt shares, when the state diverges from it.
+
+        llama-cpp-python restores the state a lookup returned and then cuts its KV back to the common
+        prefix; restoring only that prefix moves fewer bytes and, for the head of a state made from
+        llama.cpp's bytes, restores them without assembling anything.
+        """
+        cache = self.cache
+        query = cache.take_query() if isinstance(cache, _FailSafeCache) else None
+        if query is None or state.layout is None or not len(query):
+            return state
+        head = np.asarray(query[: state.n_tokens], dtype=np.int32)
+        differs = np.flatnonzero(state.tokens[: len(head)] != head)
+        common = int(differs[0]) if len(differs) else len(head)
+        if common == state.n_tokens:
+            return state  # the whole state is on the prompt's path: restore it as it is
+        keep = min(common, len(query) - 1)  # at least one prompt token left to evaluate, for logits
+        return state.prefix(keep, None) if keep > 0 else state
 
     def _load_upstream_state(self, state: llama_cpp.llama.LlamaState) -> None:
         """Restore llama-cpp-python's own state (whole-context bytes), checking what can be checked."""
@@ -506,15 +526,22 @@ class _FailSafeCache:
     stores that raise are logged and dropped. Everything else is the wrapped cache's.
     """
 
-    __slots__ = ("_cache",)
+    __slots__ = ("_cache", "_query")
 
     def __init__(self, cache: Any) -> None:
         self._cache = cache
+        self._query: Sequence[int] | None = None
+
+    def take_query(self) -> Sequence[int] | None:
+        """The key of the last lookup, once: llama-cpp-python restores what that lookup returned."""
+        query, self._query = self._query, None
+        return query
 
     def __bool__(self) -> bool:
         return True
 
     def __getitem__(self, key: Sequence[int]) -> Any:
+        self._query = key
         try:
             value = self._cache[key]
         except KeyError:
