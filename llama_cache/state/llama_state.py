@@ -27,7 +27,9 @@ from llama_cache.state.memory import MemoryBlock
 # llama-cpp-python's load_state, which cannot restore our states (see LlamaState.scores).
 _UPSTREAM_LOAD_STATE = llama_cpp.Llama.load_state.__code__
 
-_MAX_PARENT_EXTRA = 0.25  # restoring a quarter more tokens and cutting them beats assembling
+# Restoring the parent's bytes reads every token it holds once; assembling the state first copies its own
+# tokens and then reads them (two passes): the parent wins while it holds fewer than twice the tokens.
+_MAX_PARENT_EXTRA = 1.0
 
 RESTORE_STAGING = StagingPool()
 """The buffers :meth:`LlamaState.restore_bytes` assembles states in, shared by every state of the process.
@@ -172,7 +174,7 @@ class LlamaState:
 
         Like :meth:`restore_bytes`, with one more way to skip assembly: a view of the first tokens of
         a state made from llama.cpp's bytes (the prompt's state cut from prompt + completion) is lent
-        its parent's bytes whole, when those hold at most a quarter more tokens. The tokens held are
+        its parent's bytes whole, when those hold fewer than twice its tokens. The tokens held are
         then more than :attr:`n_tokens`, and after ``llama_state_seq_set_data`` the caller removes
         positions ``n_tokens`` onwards (``llama_memory_seq_rm(memory, seq_id, n_tokens, -1)``): the
         sequence is then exactly this state's, restored at the cost of a canonical state's.
