@@ -358,3 +358,72 @@ def test_sigterm_finishes_the_running_request_flushes_the_disk_cache_and_exits(t
         assert len(cache) >= 1  # the write-behind queue was flushed before exit
     finally:
         cache.close()
+
+
+# ------------------------------------------------------------------------------ routing and settings
+
+class _FakeLlama:
+    """Just what the pool reads from a context: its evaluated tokens."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.input_ids = np.zeros(64, dtype=np.intc)
+        self.n_tokens = 0
+
+    def hold(self, tokens: list[int]) -> None:
+        self.input_ids[: len(tokens)] = tokens
+        self.n_tokens = len(tokens)
+
+
+def test_the_pool_routes_to_the_context_a_prompt_extends_else_the_least_recently_used() -> None:
+    import asyncio
+
+    from llama_cache.server.slots import Slot, SlotPool
+
+    async def scenario() -> None:
+        slots = [Slot(index=i, llama=_FakeLlama()) for i in range(3)]  # type: ignore[arg-type]
+        pool = SlotPool(slots, max_queue=2)
+        taken = [await pool.acquire([i + 1, 9]) for i in range(3)]
+        for slot, tokens in zip(taken, ([1, 2, 3], [4, 5], [7])):
+            slot.llama.hold(tokens)  # type: ignore[attr-defined]
+            pool.release(slot)
+        # [4, 5, 6] extends slot 1's live tokens; [8] extends nobody's: the least recently used (slot 0).
+        assert (await pool.acquire([4, 5, 6])).index == 1
+        assert (await pool.acquire([8])).index == 0
+        assert pool.routed_to_live == 1
+        last = await pool.acquire([7, 7])  # slot 2 ([7]) is extended
+        assert last.index == 2
+        # All busy: two wait in FIFO order, a third is refused.
+        from llama_cache.server.slots import QueueFull
+
+        first_waiter = asyncio.ensure_future(pool.acquire([1]))
+        second_waiter = asyncio.ensure_future(pool.acquire([2]))
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 2
+        with pytest.raises(QueueFull):
+            await pool.acquire([3])
+        pool.release(last)
+        assert (await first_waiter).index == 2 and not second_waiter.done()
+        second_waiter.cancel()  # a client leaving the queue frees its place
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 0
+
+    asyncio.run(scenario())
+
+
+def test_settings_come_from_options_then_environment_then_defaults() -> None:
+    import argparse
+
+    from llama_cache.server.config import add_serve_command, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_command(parser.add_subparsers(), [])
+    args = parser.parse_args(["serve", "--port", "9000"])
+    config = config_from_args(args, {"LLAMA_CACHE_PORT": "1", "LLAMA_CACHE_PARALLEL": "3",
+                                     "LLAMA_CACHE_CACHE_DIR": "/tmp/x"})
+    assert (config.port, config.parallel, config.cache_dir, config.n_ctx) == (9000, 3, Path("/tmp/x"), 4096)
+    with pytest.raises(ValueError, match="LLAMA_CACHE_N_CTX"):
+        config_from_args(args, {"LLAMA_CACHE_N_CTX": "many"})
+    with pytest.raises(ValueError, match="parallel"):
+        config_from_args(parser.parse_args(["serve", "--parallel", "0"]), {})
