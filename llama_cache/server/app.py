@@ -289,6 +289,7 @@ class _Server:
                 future = self._start(slot, job, call, lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk))
                 future.add_done_callback(lambda f: self._stream_done(endpoint, job, f, queue))
                 handed_over = True
+
                 def finish() -> None:  # also when writing failed: the generation must not outlive its client
                     job.cancel.set()
                     watcher.close()
@@ -317,7 +318,11 @@ class _Server:
                 watcher.close()
 
     async def _acquire(self, endpoint: str, tokens: list[int], watcher: _Disconnect) -> Slot | None:
-        """A slot, or None when the client left while queued. Raises nothing but QueueFull's 503 body."""
+        """A slot, or None when the client left while queued.
+
+        Raises:
+            _Refused: the queue is full (carries the 503 response with ``Retry-After``).
+        """
         acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens))
         gone = asyncio.ensure_future(watcher.gone.wait())
         try:

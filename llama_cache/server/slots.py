@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import jinja2
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
@@ -116,7 +117,7 @@ def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], **templ
         handler(llama=_PromptProbe(llama), messages=messages, **template_options)  # type: ignore[arg-type]
     except _Captured as captured:
         return captured.prompt
-    except (TypeError, KeyError, AttributeError) as error:
+    except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as error:
         raise ValueError(f"the chat template could not render these messages: {error}") from None
     raise ValueError("the chat handler produced no prompt")
 
