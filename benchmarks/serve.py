@@ -198,6 +198,8 @@ def run_workload(url: str, workload: Workload, concurrency: int) -> dict[str, An
         "interrupted_streams": sum(1 for m in measures if not m.completed),
         # This machine is shared: the 1-minute load average before and after says how much.
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "each": [{"user": m.user, "turn": m.turn, "ttft": round(m.ttft, 4), "total": round(m.total, 4)}
+                 for m in sorted(measures, key=lambda m: (m.turn, m.user))],
     }
 
 
