@@ -256,6 +256,22 @@ def _commands(name: str, model: Path, n_ctx: int, parallel: int, port: int, llam
     raise ValueError(name)
 
 
+def _cache_metrics(url: str) -> dict[str, float] | None:
+    """llama-cache's own counters after a run (prompt tokens requested and not evaluated, cache hits)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(url + "/metrics", timeout=30)
+    except httpx.TransportError:
+        return None
+    if response.status_code != 200 or "llama_cache_prompt_tokens_total" not in response.text:
+        return None
+    wanted = {"llama_cache_prompt_tokens_total", "llama_cache_prompt_tokens_cached_total",
+              "llama_cache_cache_hits_total", "llama_cache_cache_misses_total", "llama_cache_generation_tokens_total"}
+    return {sample.name: sample.value for family in text_string_to_metric_families(response.text)
+            for sample in family.samples if sample.name in wanted}
+
+
 def _find_llama_server() -> Path | None:
     candidate = Path(os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER))
     return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
@@ -296,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             # A fresh server per level: no level starts with the other's cache.
             with _server(command, port, env, log) as url:
                 row = run_workload(url, workload, concurrency)
+                row["server_metrics"] = _cache_metrics(url)
             results["servers"].setdefault(name, []).append(row)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(_table(results))
