@@ -4,6 +4,7 @@
                                         without a cache plugged into a plain llama_cpp.Llama
     llama-cache bench [--model PATH]    time to first token cold / llama-cpp-python's cache / ours
     llama-cache inspect DIR [--check]   a disk cache's entries, sizes, models and hits; --fix repairs
+    llama-cache serve [--model PATH]    an OpenAI-compatible server with the prompt cache on
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from llama_cache._model import default_model_path
 from llama_cache.inspection import add_inspect_command, run_inspect
+from llama_cache.server.config import add_serve_command, config_from_args
 
 
 def _model_parent() -> argparse.ArgumentParser:
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--turns", type=int, default=10, help="chat turns (default 10)")
     bench.add_argument("--out", type=Path, default=Path("benchmarks/results/bench.json"), help="JSON output")
     add_inspect_command(commands, [])
+    add_serve_command(commands, [model])
     return parser
 
 
@@ -82,6 +85,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         status, report = run_inspect(args)
         print(report, file=sys.stderr if status == 2 else sys.stdout)
         return status
+    if args.command == "serve":
+        import logging
+
+        from llama_cache.server import serve
+
+        try:
+            config = config_from_args(args)
+        except ValueError as error:
+            raise SystemExit(f"llama-cache: {error}") from None
+        if config.model_path is not None:
+            _resolve_model(config.model_path)
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+        serve(config)
+        return 0
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands
 
 

@@ -1,0 +1,344 @@
+"""Serving load test on loopback: ``llama-cache serve`` against llama-cpp-python's and llama.cpp's servers.
+
+Workload (the same for every server, in one run): ``--users`` users (default 6), each with a document of
+its own (~500 words) in its first message after a shared system prompt (~300 words), ``--turns`` turns
+each (default 4), ``--max-tokens`` tokens per answer (default 16), temperature 0, streamed chat
+completions. At concurrency 1 the users' turns are interleaved one request at a time (user 1 turn 1,
+user 2 turn 1, ..., user 1 turn 2, ...); at concurrency 4 every user runs its turns in sequence and at
+most 4 requests are in flight. Time to first token (TTFT) is measured by the client: from sending the
+request to the first non-empty content delta. The run stops by itself.
+
+Servers, each started as a subprocess on a free port with the same model and context size:
+
+- ``llama-cache serve --parallel 4`` (RAM prompt cache);
+- llama-cpp-python's server, ``python -m llama_cpp.server --cache true`` (its defaults otherwise:
+  one request at a time, a new request interrupts a running stream);
+- llama.cpp's ``llama-server`` with its defaults (host-memory prompt cache) and ``-np 4``, from
+  ``$LLAMA_SERVER`` or ``~/.cache/llama-cache/llama-server/llama-server``; skipped with a message
+  when absent. Build it once (outside the repository) from the llama.cpp sources vendored in
+  llama-cpp-python's sdist::
+
+      pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+      cd llama_cpp_python-0.3.36 && cmake -B build vendor/llama.cpp -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
+      nice -n 19 cmake --build build --target llama-server -j1
+
+Prints a table and writes ``benchmarks/results/serve.json``::
+
+    tools/run python benchmarks/serve.py [--servers llama-cache,llama-cpp-python,llama-server]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from llama_cache import default_model_path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "llama-cache" / "llama-server" / "llama-server"
+WORDS = (
+    "river stone market winter garden lantern harbor copper meadow signal engine orchard valley letter "
+    "thunder ribbon castle window bridge candle forest silver planet mirror island anchor feather "
+    "compass velvet marble canyon blossom quarry glacier beacon timber saddle harvest falcon pepper "
+    "ladder cotton violin desert shadow cradle summit walnut lagoon sparrow tunnel meadowlark"
+).split()
+QUESTIONS = [
+    "Summarise the document above in one sentence.",
+    "Which word appears most often in it?",
+    "Give the document a short title.",
+    "Name one thing the document does not mention.",
+    "Is the document cheerful or sad?",
+    "List two nouns from the document.",
+]
+
+
+def _text(rng: random.Random, words: int) -> str:
+    sentences = []
+    while words > 0:
+        n = min(words, rng.randint(8, 16))
+        sentence = " ".join(rng.choice(WORDS) for _ in range(n))
+        sentences.append(sentence[0].upper() + sentence[1:] + ".")
+        words -= n
+    return " ".join(sentences)
+
+
+@dataclass
+class Workload:
+    system: str
+    documents: list[str]
+    turns: int
+    max_tokens: int
+
+    @classmethod
+    def make(cls, users: int, turns: int, max_tokens: int, system_words: int, document_words: int) -> Workload:
+        rng = random.Random(20261130)
+        system = "You are a careful assistant who answers questions about documents. " + _text(rng, system_words)
+        return cls(system, [_text(rng, document_words) for _ in range(users)], turns, max_tokens)
+
+
+@dataclass
+class Measure:
+    user: int
+    turn: int
+    ttft: float
+    total: float
+    completed: bool
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, str]]
+    measures: list[Measure] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ask(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, float, float, bool]:
+    """One streamed chat completion: (reply, TTFT, total seconds, ended with [DONE])."""
+    body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    start = time.perf_counter()
+    first: float | None = None
+    parts: list[str] = []
+    done = False
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            choices = chunk.get("choices") or []
+            content = choices[0].get("delta", {}).get("content") if choices else None
+            if content:
+                if first is None:
+                    first = time.perf_counter()
+                parts.append(content)
+    end = time.perf_counter()
+    return "".join(parts), (first or end) - start, end - start, done
+
+
+def run_workload(url: str, workload: Workload, concurrency: int) -> dict[str, Any]:
+    users = [
+        Conversation([{"role": "system", "content": workload.system},
+                      {"role": "user", "content": f"Document:\n{doc}\n\n{QUESTIONS[0]}"}])
+        for doc in workload.documents
+    ]
+
+    def turn(client: httpx.Client, index: int, number: int) -> None:
+        conversation = users[index]
+        if number > 0:
+            conversation.messages.append({"role": "user", "content": QUESTIONS[number % len(QUESTIONS)]})
+        reply, ttft, total, done = _ask(client, url, conversation.messages, workload.max_tokens)
+        conversation.messages.append({"role": "assistant", "content": reply})
+        conversation.measures.append(Measure(index, number, ttft, total, done))
+
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    if concurrency == 1:
+        with httpx.Client() as client:
+            for number in range(workload.turns):
+                for index in range(len(users)):
+                    turn(client, index, number)
+    else:
+        gate = threading.Semaphore(concurrency)
+        errors: list[BaseException] = []
+
+        def user(index: int) -> None:
+            try:
+                with httpx.Client() as client:
+                    for number in range(workload.turns):
+                        with gate:
+                            turn(client, index, number)
+            except BaseException as error:  # noqa: BLE001 - reported after the join
+                errors.append(error)
+
+        threads = [threading.Thread(target=user, args=(i,)) for i in range(len(users))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+    elapsed = time.perf_counter() - start
+    measures = [m for c in users for m in c.measures]
+    first = sorted(m.ttft for m in measures if m.turn == 0)
+    later = sorted(m.ttft for m in measures if m.turn > 0)
+    return {
+        "concurrency": concurrency,
+        "requests": len(measures),
+        "ttft_first_p50": _percentile(first, 50),
+        "ttft_first_p95": _percentile(first, 95),
+        "ttft_later_p50": _percentile(later, 50),
+        "ttft_later_p95": _percentile(later, 95),
+        "ttft_later_mean": statistics.fmean(later) if later else None,
+        "whole_run_s": elapsed,
+        "interrupted_streams": sum(1 for m in measures if not m.completed),
+        # This machine is shared: the 1-minute load average before and after says how much.
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "each": [{"user": m.user, "turn": m.turn, "ttft": round(m.ttft, 4), "total": round(m.total, 4)}
+                 for m in sorted(measures, key=lambda m: (m.turn, m.user))],
+    }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    k = (len(values) - 1) * q / 100
+    low = int(k)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (k - low)
+
+
+@contextmanager
+def _server(command: list[str], port: int, env: dict[str, str], log: Path) -> Iterator[str]:
+    url = f"http://127.0.0.1:{port}"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"{command[0]} exited with {process.returncode}; see {log}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{command[0]} did not start; see {log}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _commands(name: str, model: Path, n_ctx: int, parallel: int, port: int, llama_server: Path | None) -> list[str] | None:
+    if name == "llama-cache":
+        return [sys.executable, "-m", "llama_cache.cli", "serve", "--model", str(model), "--port", str(port),
+                "--n-ctx", str(n_ctx), "--parallel", str(parallel)]
+    if name == "llama-cpp-python":
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+                "--n_ctx", str(n_ctx), "--cache", "true"]
+    if name == "llama-server":
+        if llama_server is None:
+            return None
+        # -c is the whole KV cache, shared by the -np slots (unified KV): each conversation fits.
+        return [str(llama_server), "-m", str(model), "--port", str(port), "-c", str(n_ctx * parallel),
+                "-np", str(parallel), "--no-webui"]
+    raise ValueError(name)
+
+
+def _cache_metrics(url: str) -> dict[str, float] | None:
+    """llama-cache's own counters after a run (prompt tokens requested and not evaluated, cache hits)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = httpx.get(url + "/metrics", timeout=30)
+    except httpx.TransportError:
+        return None
+    if response.status_code != 200 or "llama_cache_prompt_tokens_total" not in response.text:
+        return None
+    wanted = {"llama_cache_prompt_tokens_total", "llama_cache_prompt_tokens_cached_total",
+              "llama_cache_cache_hits_total", "llama_cache_cache_misses_total", "llama_cache_generation_tokens_total"}
+    return {sample.name: sample.value for family in text_string_to_metric_families(response.text)
+            for sample in family.samples if sample.name in wanted}
+
+
+def _find_llama_server() -> Path | None:
+    candidate = Path(os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER))
+    return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--servers", default="llama-cache,llama-cpp-python,llama-server")
+    parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--users", type=int, default=6)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--system-words", type=int, default=300)
+    parser.add_argument("--document-words", type=int, default=500)
+    parser.add_argument("--n-ctx", type=int, default=2048)
+    parser.add_argument("--parallel", type=int, default=4, help="contexts/slots of the servers that have them")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve.json")
+    args = parser.parse_args(argv)
+    model = default_model_path()
+    llama_server = _find_llama_server()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    results: dict[str, Any] = {"model": model.name, "n_ctx": args.n_ctx, "parallel": args.parallel,
+                               "users": args.users, "turns": args.turns, "max_tokens": args.max_tokens,
+                               "servers": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for name in args.servers.split(","):
+        for concurrency in levels:
+            command = _commands(name, model, args.n_ctx, args.parallel, _free_port(), llama_server)
+            if command is None:
+                print(f"{name}: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "
+                      f"{DEFAULT_LLAMA_SERVER}; see this script's docstring)", file=sys.stderr)
+                break
+            port = int(command[command.index("--port") + 1])
+            workload = Workload.make(args.users, args.turns, args.max_tokens, args.system_words, args.document_words)
+            log = args.out.parent / f"serve-{name}-c{concurrency}.log"
+            print(f"{name}, concurrency {concurrency}...", file=sys.stderr, flush=True)
+            # A fresh server per level: no level starts with the other's cache.
+            with _server(command, port, env, log) as url:
+                row = run_workload(url, workload, concurrency)
+                row["server_metrics"] = _cache_metrics(url)
+            results["servers"].setdefault(name, []).append(row)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(_table(results))
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+def _table(results: dict[str, Any]) -> str:
+    def s(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [
+        f"{results['users']} users x {results['turns']} turns, {results['max_tokens']} tokens per answer, "
+        f"n_ctx {results['n_ctx']}, model {results['model']}",
+        f"{'server':<18} {'conc':>4} {'TTFT t1 p50':>11} {'t1 p95':>7} {'later p50':>9} {'later p95':>9} "
+        f"{'whole run s':>11} {'cut':>4} {'load':>10}",
+    ]
+    for name, rows in results["servers"].items():
+        for row in rows:
+            lines.append(
+                f"{name:<18} {row['concurrency']:>4} {s(row['ttft_first_p50']):>11} {s(row['ttft_first_p95']):>7} "
+                f"{s(row['ttft_later_p50']):>9} {s(row['ttft_later_p95']):>9} {row['whole_run_s']:>11.2f} "
+                f"{row['interrupted_streams']:>4} {row['load_average'][0]:>4.1f}-{row['load_average'][1]:<4.1f}"
+            )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

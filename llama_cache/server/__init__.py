@@ -1,0 +1,48 @@
+"""``llama-cache serve``: an OpenAI-compatible HTTP server whose contexts share one prompt cache.
+
+- :mod:`.config`: settings from options and environment variables.
+- :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
+- :mod:`.slots`: the contexts, the fair queue and the routing of a request to a context.
+- :mod:`.metrics`: the Prometheus metrics, in a registry per app.
+- :mod:`.app`: the routes (Starlette), the worker threads, shutdown.
+
+:func:`serve` runs it under uvicorn until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from llama_cache.server.app import Engine, create_app, load_engine
+from llama_cache.server.config import ServerConfig
+
+__all__ = ["Engine", "ServerConfig", "create_app", "load_engine", "serve"]
+
+logger = logging.getLogger(__name__)
+
+
+def serve(config: ServerConfig, *, log_level: str = "info") -> None:
+    """Load the model and serve it until SIGTERM or SIGINT, then drain and exit.
+
+    On SIGTERM uvicorn stops accepting connections and waits up to ``config.shutdown_timeout``
+    seconds for running and queued requests, then cancels the rest; the app then flushes the prompt
+    cache's background writes and frees the contexts.
+
+    Raises:
+        FileNotFoundError, ValueError: the model could not be loaded.
+        OSError: the address is in use.
+    """
+    import uvicorn
+
+    engine = load_engine(config)
+    logger.info("serving %s with %d context(s) of %d tokens, %s prompt cache", engine.model_name,
+                len(engine.pool.slots), engine.n_ctx, engine.tier)
+    uvicorn_config = uvicorn.Config(
+        create_app(engine),
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=config.shutdown_timeout,
+    )
+    uvicorn.Server(uvicorn_config).run()

@@ -1,0 +1,123 @@
+"""``llama-cache serve``'s settings: command-line options, each with an environment variable.
+
+An option given on the command line wins over its environment variable, which wins over the default.
+This module imports neither the model nor the web stack, so the CLI stays quick to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ServerConfig", "add_serve_command", "config_from_args"]
+
+DEFAULT_N_CTX = 4096
+DEFAULT_CACHE_RAM = 2 << 30
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What ``llama-cache serve`` runs.
+
+    Attributes:
+        model_path: the GGUF file (None: the embedded default model).
+        host, port: where to listen.
+        n_ctx: each context's size in tokens.
+        parallel: contexts, hence requests served at once.
+        cache_ram: byte budget of the RAM prompt cache (used when ``cache_dir`` is None).
+        cache_dir: the disk tier's directory; None keeps the prompt cache in RAM.
+        cache_disk: byte budget of the disk tier.
+        max_queue: requests that may wait for a context; one more is answered 503.
+        model_alias: the model's name in ``/v1/models`` and responses (default: the file's stem).
+        shutdown_timeout: seconds SIGTERM waits for running requests before cancelling them.
+        n_threads: llama.cpp threads per context (None: llama-cpp-python's default).
+    """
+
+    model_path: Path | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    n_ctx: int = DEFAULT_N_CTX
+    parallel: int = 1
+    cache_ram: int = DEFAULT_CACHE_RAM
+    cache_dir: Path | None = None
+    cache_disk: int = DEFAULT_CACHE_RAM
+    max_queue: int = 64
+    model_alias: str | None = None
+    shutdown_timeout: float = 30.0
+    n_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535 and self.port != 0:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        if self.n_ctx < 64:
+            raise ValueError(f"n_ctx must be at least 64, got {self.n_ctx}")
+        if self.parallel < 1:
+            raise ValueError(f"parallel must be at least 1, got {self.parallel}")
+        if self.cache_ram < 0 or self.cache_disk < 0:
+            raise ValueError("cache sizes must not be negative")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must not be negative, got {self.max_queue}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must not be negative, got {self.shutdown_timeout}")
+        if self.n_threads is not None and self.n_threads < 1:
+            raise ValueError(f"n_threads must be positive, got {self.n_threads}")
+
+
+# option name -> (environment variable, type, help)
+_OPTIONS: dict[str, tuple[str, type, str]] = {
+    "host": ("LLAMA_CACHE_HOST", str, "address to listen on (default 127.0.0.1)"),
+    "port": ("LLAMA_CACHE_PORT", int, "port to listen on (default 8000)"),
+    "n_ctx": ("LLAMA_CACHE_N_CTX", int, f"tokens per context (default {DEFAULT_N_CTX})"),
+    "parallel": ("LLAMA_CACHE_PARALLEL", int, "contexts, i.e. requests served at once (default 1)"),
+    "cache_ram": ("LLAMA_CACHE_CACHE_RAM", int, "RAM prompt cache budget in bytes (default 2 GiB)"),
+    "cache_dir": ("LLAMA_CACHE_CACHE_DIR", Path, "keep the prompt cache on disk in this directory"),
+    "cache_disk": ("LLAMA_CACHE_CACHE_DISK", int, "disk prompt cache budget in bytes (default 2 GiB)"),
+    "max_queue": ("LLAMA_CACHE_MAX_QUEUE", int, "requests that may wait for a context before 503 (default 64)"),
+    "model_alias": ("LLAMA_CACHE_MODEL_ALIAS", str, "the model's name in the API (default: the file's stem)"),
+    "shutdown_timeout": ("LLAMA_CACHE_SHUTDOWN_TIMEOUT", float,
+                         "seconds SIGTERM waits for running requests before cancelling them (default 30)"),
+    "n_threads": ("LLAMA_CACHE_THREADS", int, "llama.cpp threads per context (default: llama-cpp-python's)"),
+}
+
+
+def add_serve_command(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
+                      ) -> argparse.ArgumentParser:
+    """Add the ``serve`` sub-command (its options default to None: see :func:`config_from_args`)."""
+    serve = commands.add_parser(
+        "serve",
+        parents=parents,
+        help="an OpenAI-compatible HTTP server with the prompt cache on",
+        description="Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+        "/v1/models, /health, /metrics), its contexts sharing one prompt cache. Every option also "
+        "reads an environment variable, named in its help.",
+    )
+    for name, (env, kind, text) in _OPTIONS.items():
+        serve.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
+                           help=f"{text}; ${env}")
+    return serve
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The settings from parsed options, then environment variables, then defaults.
+
+    Raises:
+        ValueError: a setting is out of range or an environment variable does not parse.
+    """
+    environ = os.environ if environ is None else environ
+    values: dict[str, object] = {}
+    for name, (env, kind, _) in _OPTIONS.items():
+        value = getattr(args, name, None)
+        if value is None and environ.get(env):
+            try:
+                value = kind(environ[env])
+            except ValueError:
+                raise ValueError(f"${env} must be a {kind.__name__}, got {environ[env]!r}") from None
+        if value is not None:
+            values[name] = value
+    model = getattr(args, "model", None)
+    if model is None and environ.get("LLAMA_CACHE_MODEL"):
+        model = Path(environ["LLAMA_CACHE_MODEL"])
+    return ServerConfig(model_path=model, **values)  # type: ignore[arg-type]

@@ -1,0 +1,111 @@
+"""The server's Prometheus metrics, in a registry of its own (never prometheus-client's global one).
+
+Names follow Prometheus's conventions (``_total`` counters, ``_seconds`` histograms, base units) under
+the ``llama_cache_`` prefix. Request metrics are counted as requests finish; cache, queue and slot
+figures are read when ``/metrics`` is scraped, from ``cache.stats()`` and the slot pool::
+
+    llama_cache_requests_total{endpoint, status}        requests answered, by route and HTTP status
+    llama_cache_time_to_first_token_seconds{endpoint}   arrival to first sampled token (queueing included)
+    llama_cache_prompt_tokens_total                     prompt tokens requested
+    llama_cache_prompt_tokens_cached_total              of those, not evaluated: reused from the context's
+                                                        live tokens or restored from the prompt cache
+                                                        (hit ratio = cached / prompt)
+    llama_cache_generation_tokens_total                 tokens sampled (end-of-generation tokens included)
+    llama_cache_cache_entries{tier}, _cache_bytes{tier}, _cache_capacity_bytes{tier}
+    llama_cache_cache_hits_total{tier}, _cache_misses_total{tier}, _cache_evictions_total{tier}
+    llama_cache_queue_depth                             requests waiting for a slot
+    llama_cache_requests_running                        requests holding a slot
+    llama_cache_slots                                   contexts (``--parallel``)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = ["ServerMetrics"]
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "llama_cache"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _LiveCollector(Collector):
+    """Reads the caches' counters and the pool's queue at scrape time."""
+
+    def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]], queue_depth: Callable[[], int],
+                 running: Callable[[], int], slots: Callable[[], int]) -> None:
+        self._caches = caches
+        self._queue_depth = queue_depth
+        self._running = running
+        self._slots = slots
+
+    def collect(self) -> Iterable[Metric]:
+        families = {
+            "entries": GaugeMetricFamily(f"{PREFIX}_cache_entries", "States held by the prompt cache",
+                                         labels=["tier"]),
+            "bytes": GaugeMetricFamily(f"{PREFIX}_cache_bytes", "Bytes of states held by the prompt cache",
+                                       labels=["tier"]),
+            "capacity_bytes": GaugeMetricFamily(f"{PREFIX}_cache_capacity_bytes",
+                                                "Byte budget of the prompt cache", labels=["tier"]),
+            "hits": CounterMetricFamily(f"{PREFIX}_cache_hits", "Prompt cache lookups that found a state",
+                                        labels=["tier"]),
+            "misses": CounterMetricFamily(f"{PREFIX}_cache_misses", "Prompt cache lookups that found nothing",
+                                          labels=["tier"]),
+            "evictions": CounterMetricFamily(f"{PREFIX}_cache_evictions",
+                                             "States evicted from the prompt cache", labels=["tier"]),
+        }
+        for tier, cache in self._caches():
+            try:
+                stats = cache.stats()
+            except Exception as error:  # noqa: BLE001 - a failing cache must not break /metrics
+                logger.warning("could not read the %s cache's stats: %s", tier, error)
+                continue
+            for name, family in families.items():
+                family.add_metric([tier], float(getattr(stats, name)))
+        yield from families.values()
+        yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Requests waiting for a slot", value=self._queue_depth())
+        yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding a slot", value=self._running())
+        yield GaugeMetricFamily(f"{PREFIX}_slots", "Contexts serving requests", value=self._slots())
+
+
+class ServerMetrics:
+    """The counters and histograms of one app, in their own :class:`CollectorRegistry`.
+
+    Args:
+        caches: returns ``(tier, cache)`` pairs to report (``tier`` is ``"ram"`` or ``"disk"``).
+        queue_depth, running, slots: read the pool at scrape time.
+
+    Thread-safe (prometheus-client's metrics are).
+    """
+
+    def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]], queue_depth: Callable[[], int],
+                 running: Callable[[], int], slots: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}_time_to_first_token_seconds",
+            "Seconds from a completion request's arrival to its first sampled token (queueing included)",
+            ["endpoint"], buckets=TTFT_BUCKETS, registry=self.registry,
+        )
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens requested", registry=self.registry)
+        self.prompt_tokens_cached = Counter(
+            f"{PREFIX}_prompt_tokens_cached",
+            "Prompt tokens not evaluated: reused from a context's live tokens or restored from the prompt cache",
+            registry=self.registry,
+        )
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens",
+                                         "Tokens sampled (end-of-generation tokens included)",
+                                         registry=self.registry)
+        self.registry.register(_LiveCollector(caches, queue_depth, running, slots))
+
+    def render(self) -> bytes:
+        """The registry in Prometheus's text exposition format."""
+        return generate_latest(self.registry)

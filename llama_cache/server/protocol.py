@@ -1,0 +1,324 @@
+"""Request validation for the OpenAI-compatible endpoints, and the error bodies they answer with.
+
+A request body is checked field by field before it reaches a context: every problem becomes an
+:class:`ApiError` (a 4xx with OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``)
+naming the offending field, so bad input never reaches llama.cpp. Fields the OpenAI API defines but
+llama.cpp cannot honour (``n`` > 1, ``logprobs`` without ``logits_all``) are refused the same way;
+unknown fields are ignored, as the official client sends some that servers need not know.
+
+Sampling parameters are passed to ``llama_cpp.Llama.create_completion`` / ``create_chat_completion``
+under their llama-cpp-python names; the prompt is resolved to tokens later, by the slot pool.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
+           "parse_json_body"]
+
+# The OpenAI API allows at most 4 stop sequences.
+MAX_STOP_SEQUENCES = 4
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+class ApiError(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI's error fields.
+
+    Args:
+        status: the HTTP status (4xx for the client's mistakes, 5xx for the server's).
+        message: a sentence for the client.
+        param: the request field at fault, if one is.
+        code: a machine-readable code (``context_length_exceeded``, ``invalid_type``...).
+        type: OpenAI's error type (``invalid_request_error`` unless the server is at fault).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class CompletionRequest:
+    """A validated ``POST /v1/completions`` body.
+
+    ``prompt`` is the text, or the token ids the client sent; ``options`` holds the keyword arguments
+    for ``create_completion`` other than ``prompt``, ``stream`` and ``max_tokens``.
+    """
+
+    prompt: str | list[int]
+    stream: bool
+    max_tokens: int | None
+    model: str | None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ChatRequest:
+    """A validated ``POST /v1/chat/completions`` body.
+
+    ``messages`` have plain-string contents (text parts joined); ``options`` holds the keyword
+    arguments for ``create_chat_completion`` other than ``messages``, ``stream`` and ``max_tokens``;
+    ``template_options`` those that also shape the prompt (tools, functions).
+    """
+
+    messages: list[dict[str, Any]]
+    stream: bool
+    max_tokens: int | None
+    model: str | None
+    options: dict[str, Any] = field(default_factory=dict)
+    template_options: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises:
+        ApiError: 400 when it is not UTF-8 JSON or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _type_error(param: str, expected: str, value: object) -> ApiError:
+    return ApiError(400, f"'{param}' must be {expected}, got {type(value).__name__}: {_short(value)}",
+                    param=param, code="invalid_type")
+
+
+def _value_error(param: str, message: str) -> ApiError:
+    return ApiError(400, f"'{param}' {message}", param=param, code="invalid_value")
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value) if not isinstance(value, float) or math.isfinite(value) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(float(value)))
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float, target: str | None = None,
+            options: dict[str, Any] | None = None) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if not _is_number(value):
+        raise _type_error(name, "a number", value)
+    if not low <= value <= high:
+        raise _value_error(name, f"must be between {low:g} and {high:g}, got {value}")
+    if options is not None:
+        options[target or name] = float(value)
+
+
+def _max_tokens(body: dict[str, Any], n_ctx: int, default: int | None) -> int | None:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise _type_error(name, "an integer", value)
+    if value < 1:
+        raise _value_error(name, f"must be at least 1, got {value}")
+    if value > n_ctx:
+        raise _value_error(name, f"must be at most the context size ({n_ctx} tokens), got {value}")
+    return int(value)
+
+
+def _common(body: dict[str, Any], n_ctx: int, default_max_tokens: int | None) -> tuple[bool, int | None, str | None,
+                                                                                        dict[str, Any]]:
+    """The fields both endpoints share: stream, max_tokens, model and the sampling options."""
+    options: dict[str, Any] = {}
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _type_error("stream", "a boolean", stream)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _type_error("model", "a string", model)
+    max_tokens = _max_tokens(body, n_ctx, default_max_tokens)
+    _number(body, "temperature", 0.0, 2.0, options=options)
+    _number(body, "top_p", 0.0, 1.0, options=options)
+    _number(body, "min_p", 0.0, 1.0, options=options)
+    _number(body, "typical_p", 0.0, 1.0, options=options)
+    _number(body, "presence_penalty", -2.0, 2.0, options=options)
+    _number(body, "frequency_penalty", -2.0, 2.0, options=options)
+    _number(body, "repeat_penalty", 0.0, 10.0, options=options)
+    top_k = body.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k):
+            raise _type_error("top_k", "an integer", top_k)
+        if top_k < 0:
+            raise _value_error("top_k", f"must not be negative, got {top_k}")
+        options["top_k"] = int(top_k)
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_int(seed):
+            raise _type_error("seed", "an integer", seed)
+        options["seed"] = int(seed) & 0xFFFFFFFF
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _type_error("stop", "a string or a list of strings", stop)
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise _value_error("stop", f"holds at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}")
+        options["stop"] = [s for s in stop if s]
+    n = body.get("n")
+    if n is not None:
+        if not _is_int(n):
+            raise _type_error("n", "an integer", n)
+        if n != 1:
+            raise _value_error("n", f"must be 1 (one choice per request is supported), got {n}")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None:
+        if not isinstance(logit_bias, dict) or not all(
+            isinstance(k, str) and k.lstrip("-").isdigit() and _is_number(v) for k, v in logit_bias.items()
+        ):
+            raise _type_error("logit_bias", "an object mapping token ids to numbers", logit_bias)
+        options["logit_bias"] = {k: float(v) for k, v in logit_bias.items()}
+    return stream, max_tokens, model, options
+
+
+def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int) -> CompletionRequest:
+    """Validate a ``/v1/completions`` body.
+
+    Args:
+        body: the decoded JSON object.
+        n_ctx: the context size (bounds ``max_tokens``).
+        n_vocab: the vocabulary size (bounds token-id prompts).
+
+    Raises:
+        ApiError: 400 naming the first invalid field.
+    """
+    stream, max_tokens, model, options = _common(body, n_ctx, default_max_tokens=16)
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(_is_int(t) for t in prompt):
+            raise _type_error("prompt", "a string, a list of token ids, or a list of one of those", prompt)
+        bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
+        if bad is not None:
+            raise _value_error("prompt", f"holds token id {bad}, outside the vocabulary (0..{n_vocab - 1})")
+        prompt = [int(t) for t in prompt]
+    elif not isinstance(prompt, str):
+        raise _type_error("prompt", "a string, a list of token ids, or a list of one of those", prompt)
+    for name in ("echo",):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, bool):
+                raise _type_error(name, "a boolean", value)
+            options[name] = value
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise _type_error("suffix", "a string", suffix)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False and logprobs != 0:
+        raise _value_error("logprobs", "is not supported by this server")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise _value_error("best_of", "must be 1")
+    return CompletionRequest(prompt=prompt, stream=stream, max_tokens=max_tokens, model=model, options=options)
+
+
+def _message_content(index: int, message: dict[str, Any]) -> str | None:
+    content = message.get("content")
+    param = f"messages[{index}].content"
+    if content is None or isinstance(content, str):
+        if content is None and message["role"] not in ("assistant", "tool", "function"):
+            raise ApiError(400, f"'{param}' is required for role '{message['role']}'", param=param, code="missing")
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _value_error(param, "may only hold text parts ({\"type\": \"text\", \"text\": ...})")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _type_error(param, "a string or a list of text parts", content)
+
+
+def parse_chat_request(body: dict[str, Any], n_ctx: int) -> ChatRequest:
+    """Validate a ``/v1/chat/completions`` body.
+
+    Args:
+        body: the decoded JSON object.
+        n_ctx: the context size (bounds ``max_tokens``).
+
+    Raises:
+        ApiError: 400 naming the first invalid field.
+    """
+    stream, max_tokens, model, options = _common(body, n_ctx, default_max_tokens=None)
+    if "messages" not in body:
+        raise ApiError(400, "'messages' is required", param="messages", code="missing")
+    raw = body["messages"]
+    if not isinstance(raw, list):
+        raise _type_error("messages", "a list of messages", raw)
+    if not raw:
+        raise _value_error("messages", "must hold at least one message")
+    messages: list[dict[str, Any]] = []
+    for index, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise _type_error(f"messages[{index}]", "an object", message)
+        role = message.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise _value_error(f"messages[{index}].role", f"must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                               f"got {_short(role)}")
+        cleaned = dict(message)
+        cleaned["role"] = "system" if role == "developer" else role
+        cleaned["content"] = _message_content(index, message)
+        messages.append(cleaned)
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False:
+        raise _value_error("logprobs", "is not supported by this server")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object"):
+            raise _value_error("response_format", "must be {\"type\": \"text\"} or {\"type\": \"json_object\"}")
+        if response_format["type"] == "json_object":
+            options["response_format"] = {"type": "json_object"}
+    template_options: dict[str, Any] = {}
+    for name, kinds in (("tools", list), ("tool_choice", (str, dict)), ("functions", list), ("function_call", (str, dict))):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, kinds):
+                raise _type_error(name, "a list" if kinds is list else "a string or an object", value)
+            template_options[name] = value
+    return ChatRequest(messages=messages, stream=stream, max_tokens=max_tokens, model=model, options=options,
+                       template_options=template_options)

@@ -1,0 +1,429 @@
+"""``llama-cache serve`` against live servers on loopback, called with the official ``openai`` client.
+
+The main server runs in-process (uvicorn in a thread, 2 contexts of 1024 tokens); the queue-full test
+starts a second one with one context and a queue of one; the SIGTERM test runs ``llama-cache serve``
+as a subprocess. Answers are compared with ``llama_cache.Llama``'s own at temperature 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from llama_cache import Llama, LlamaDiskCache, LlamaRAMCache, default_model_path
+from llama_cache.server import ServerConfig, create_app, load_engine
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+N_CTX = 1024
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class _LiveServer:
+    """uvicorn serving an app in a background thread on a free loopback port."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.port = _free_port()
+        self.engine = load_engine(config)
+        self.app = create_app(self.engine)
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", ws="none",
+            timeout_graceful_shutdown=5,
+        ))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of ``/metrics``, parsed by prometheus-client, as ``name{labels}`` -> value."""
+        text = httpx.get(self.url + "/metrics").text
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[_LiveServer]:
+    live = _LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[Llama]:
+    """The library's own Llama, as a user would call it, for expected answers."""
+    llama = Llama(model_path=str(default_model_path()), n_ctx=N_CTX, verbose=False, cache=LlamaRAMCache())
+    yield llama
+    llama.close()
+
+
+def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+# ------------------------------------------------------------------------------------------ basics
+
+def test_models_and_health(server: _LiveServer) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [server.engine.model_name]
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_completion_streamed_and_not_equals_llama(server: _LiveServer, reference: Llama) -> None:
+    prompt = "The three primary colours are"
+    expected = reference.create_completion(prompt, max_tokens=12, temperature=0)["choices"][0]["text"]
+    client = server.client()
+    whole = client.completions.create(model="anything", prompt=prompt, max_tokens=12, temperature=0)
+    assert whole.choices[0].text == expected
+    assert whole.usage is not None and whole.usage.completion_tokens <= 12
+    chunks = list(client.completions.create(model="x", prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+
+
+def test_chat_streamed_and_not(server: _LiveServer, reference: Llama) -> None:
+    messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    expected = reference.create_chat_completion(messages, max_tokens=12, temperature=0)["choices"][0]["message"]
+    client = server.client()
+    reply = client.chat.completions.create(model="gpt-4o", messages=messages, max_tokens=12, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected["content"]
+    stream = client.chat.completions.create(messages=messages, model="m", max_tokens=12, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == expected["content"]
+
+
+def test_multi_turn_conversation_equals_llama_and_is_served_from_the_cache(
+    server: _LiveServer, reference: Llama
+) -> None:
+    client = server.client()
+    system = {"role": "system", "content": "You are a concise assistant. " * 8}
+    questions = ["What is the capital of Italy?", "And of Spain?", "Which of the two is larger?"]
+    ours: list[dict[str, Any]] = [system]
+    theirs: list[dict[str, Any]] = [system]
+    before = server.metrics()
+    for question in questions:
+        ours.append({"role": "user", "content": question})
+        theirs.append({"role": "user", "content": question})
+        reply = client.chat.completions.create(model="m", messages=ours, max_tokens=16, temperature=0)
+        expected = reference.create_chat_completion(theirs, max_tokens=16, temperature=0)
+        content = reply.choices[0].message.content
+        assert content == expected["choices"][0]["message"]["content"]
+        ours.append({"role": "assistant", "content": content})
+        theirs.append({"role": "assistant", "content": content})
+    after = server.metrics()
+    requested = after["llama_cache_prompt_tokens_total"] - before["llama_cache_prompt_tokens_total"]
+    cached = after["llama_cache_prompt_tokens_cached_total"] - before["llama_cache_prompt_tokens_cached_total"]
+    # Turns 2 and 3 extend the conversation: most of their prompts are not evaluated again.
+    assert cached > requested / 3
+
+
+def test_eight_concurrent_clients_get_their_own_answers(server: _LiveServer, reference: Llama) -> None:
+    prompts = [f"Write the number {n} in words, then a colour:" for n in range(8)]
+    expected = [reference.create_completion(p, max_tokens=8, temperature=0)["choices"][0]["text"] for p in prompts]
+    client = server.client()
+
+    def ask(index: int) -> str:
+        if index % 2:
+            chunks = client.completions.create(model="m", prompt=prompts[index], max_tokens=8, temperature=0,
+                                               stream=True)
+            return "".join(c.choices[0].text for c in chunks)
+        return client.completions.create(model="m", prompt=prompts[index], max_tokens=8,
+                                         temperature=0).choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(8)))
+    assert answers == expected
+
+
+# --------------------------------------------------------------------------------------- bad input
+
+_LONG = "word " * (N_CTX + 50)
+_BAD_REQUESTS = [
+    ("/v1/chat/completions", b"{not json", "invalid_json", None),
+    ("/v1/completions", b"[1, 2]", "invalid_json", None),
+    ("/v1/chat/completions", {"messages": "hello"}, "invalid_type", "messages"),
+    ("/v1/chat/completions", {"messages": []}, "invalid_value", "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "invalid_value", "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "invalid_type", "messages[0].content"),
+    ("/v1/chat/completions", {"model": "m"}, "missing", "messages"),
+    ("/v1/completions", {"prompt": 3}, "invalid_type", "prompt"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "invalid_type", "prompt"),
+    ("/v1/completions", {"prompt": [10**9]}, "invalid_value", "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "invalid_type", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -5}, "invalid_value", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**12}, "invalid_value", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 2.5}, "invalid_type", "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, "invalid_type", "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 7}, "invalid_value", "temperature"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, "invalid_type", "stream"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, "invalid_type", "stop"),
+    ("/v1/completions", {"prompt": "x", "n": 3}, "invalid_value", "n"),
+    ("/v1/completions", {"prompt": _LONG}, "context_length_exceeded", "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}]}, "context_length_exceeded",
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}], "stream": True},
+     "context_length_exceeded", "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "code", "param"), _BAD_REQUESTS,
+                         ids=[f"{p.rsplit('/', 1)[1]}-{c}-{q}" for p, _, c, q in _BAD_REQUESTS])
+def test_bad_input_is_a_400_with_an_openai_error_body(
+    server: _LiveServer, path: str, body: Any, code: str, param: str | None
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["param"], error["type"]) == (code, param, "invalid_request_error")
+    assert error["message"]
+
+
+def test_the_openai_client_sees_bad_input_as_bad_request(server: _LiveServer) -> None:
+    client = server.client(max_retries=0)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": _LONG}], max_tokens=4)
+    assert raised.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="x", max_tokens=-1)
+    # Nothing is left hung: the server still answers.
+    assert client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0).choices
+
+
+# ------------------------------------------------------------------------------------ cancellation
+
+def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: _LiveServer) -> None:
+    before = server.metrics()
+    body = {"prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 600, "stream": True,
+            "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        received = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+    assert received
+
+    def settled() -> bool:
+        now = server.metrics()
+        return (now["llama_cache_requests_running"] == 0
+                and now.get('llama_cache_requests_total{endpoint="/v1/completions",status="499"}', 0)
+                > before.get('llama_cache_requests_total{endpoint="/v1/completions",status="499"}', 0))
+
+    _wait_for(settled)
+    after = server.metrics()
+    generated = after["llama_cache_generation_tokens_total"] - before["llama_cache_generation_tokens_total"]
+    assert generated < 300  # stopped long before max_tokens
+    # The context is free and consistent: it serves the next request.
+    assert server.client().completions.create(model="m", prompt="Hi", max_tokens=2, temperature=0).choices
+
+
+def test_a_full_queue_answers_503_with_retry_after() -> None:
+    live = _LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=1))
+    try:
+        body = {"prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 600, "stream": True, "temperature": 0}
+        first = httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60)
+        response = first.__enter__()
+        lines = response.iter_lines()  # kept referenced: a collected iterator would close the stream
+        assert next(lines).startswith("data:")
+        waiting = threading.Thread(
+            target=lambda: httpx.post(live.url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=60))
+        waiting.start()
+        _wait_for(lambda: live.metrics()["llama_cache_queue_depth"] == 1)
+        refused = httpx.post(live.url + "/v1/completions", json={"prompt": "b", "max_tokens": 1})
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.APIStatusError) as raised:
+            live.client(max_retries=0).completions.create(model="m", prompt="c", max_tokens=1)
+        assert raised.value.status_code == 503
+        first.__exit__(None, None, None)  # disconnect: the running request stops, the queued one runs
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+        assert live.metrics()['llama_cache_requests_total{endpoint="/v1/completions",status="503"}'] == 2
+    finally:
+        live.stop()
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+def test_metrics_parse_and_show_the_hits_a_request_caused(server: _LiveServer) -> None:
+    client = server.client()
+    prompt = "A cache hit is counted when this exact prompt is asked again. " * 4
+    client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0)
+    before = server.metrics()
+    client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0)
+    after = server.metrics()
+    assert after['llama_cache_cache_hits_total{tier="ram"}'] > before['llama_cache_cache_hits_total{tier="ram"}']
+    requested = after["llama_cache_prompt_tokens_total"] - before["llama_cache_prompt_tokens_total"]
+    cached = after["llama_cache_prompt_tokens_cached_total"] - before["llama_cache_prompt_tokens_cached_total"]
+    assert requested > 40 and cached >= requested - 1
+    assert after['llama_cache_cache_entries{tier="ram"}'] > 0 and after['llama_cache_cache_bytes{tier="ram"}'] > 0
+    for name in ('llama_cache_cache_misses_total{tier="ram"}', 'llama_cache_cache_evictions_total{tier="ram"}',
+                 "llama_cache_queue_depth", "llama_cache_requests_running", "llama_cache_generation_tokens_total",
+                 'llama_cache_time_to_first_token_seconds_count{endpoint="/v1/completions"}'):
+        assert name in after
+    assert after['llama_cache_requests_total{endpoint="/v1/completions",status="200"}'] >= 2
+    # A registry per app: the global registry holds none of these.
+    from prometheus_client import REGISTRY
+    assert REGISTRY.get_sample_value("llama_cache_prompt_tokens_total") is None
+
+
+# ------------------------------------------------------------------------------------------ SIGTERM
+
+def test_sigterm_finishes_the_running_request_flushes_the_disk_cache_and_exits(tmp_path: Path) -> None:
+    port = _free_port()
+    cache_dir = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    log = tmp_path / "serve.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "llama_cache.cli", "serve", "--port", str(port), "--n-ctx", str(N_CTX),
+             "--cache-dir", str(cache_dir), "--shutdown-timeout", "60"],
+            env=env, stdout=sink, stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert process.poll() is None, log.read_text()
+            try:
+                return httpx.get(url + "/health").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        _wait_for(up, timeout=60)
+        body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 48, "stream": True,
+                "temperature": 0}
+        events: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                if not events:
+                    process.send_signal(signal.SIGTERM)
+                events.append(line)
+        assert events[-1] == "data: [DONE]"  # the running request was finished, not cut
+        finished = json.loads(events[-2].removeprefix("data: "))
+        assert finished["choices"][0]["finish_reason"] in ("length", "stop")
+        # uvicorn re-raises the signal once it has shut down, as a process killed by SIGTERM would end.
+        assert process.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = log.read_text()
+    assert "Traceback" not in output
+    assert "Finished server process" in output
+    cache = LlamaDiskCache(cache_dir)
+    try:
+        assert len(cache) >= 1  # the write-behind queue was flushed before exit
+    finally:
+        cache.close()
+
+
+# ------------------------------------------------------------------------------ routing and settings
+
+class _FakeLlama:
+    """Just what the pool reads from a context: its evaluated tokens."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.input_ids = np.zeros(64, dtype=np.intc)
+        self.n_tokens = 0
+
+    def hold(self, tokens: list[int]) -> None:
+        self.input_ids[: len(tokens)] = tokens
+        self.n_tokens = len(tokens)
+
+
+def test_the_pool_routes_to_the_context_a_prompt_extends_else_the_least_recently_used() -> None:
+    import asyncio
+
+    from llama_cache.server.slots import Slot, SlotPool
+
+    async def scenario() -> None:
+        slots = [Slot(index=i, llama=_FakeLlama()) for i in range(3)]  # type: ignore[arg-type]
+        pool = SlotPool(slots, max_queue=2)
+        taken = [await pool.acquire([i + 1, 9]) for i in range(3)]
+        for slot, tokens in zip(taken, ([1, 2, 3], [4, 5], [7])):
+            slot.llama.hold(tokens)  # type: ignore[attr-defined]
+            pool.release(slot)
+        # [4, 5, 6] extends slot 1's live tokens; [8] extends nobody's: the least recently used (slot 0).
+        assert (await pool.acquire([4, 5, 6])).index == 1
+        assert (await pool.acquire([8])).index == 0
+        assert pool.routed_to_live == 1
+        last = await pool.acquire([7, 7])  # slot 2 ([7]) is extended
+        assert last.index == 2
+        # All busy: two wait in FIFO order, a third is refused.
+        from llama_cache.server.slots import QueueFull
+
+        first_waiter = asyncio.ensure_future(pool.acquire([1]))
+        second_waiter = asyncio.ensure_future(pool.acquire([2]))
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 2
+        with pytest.raises(QueueFull):
+            await pool.acquire([3])
+        pool.release(last)
+        assert (await first_waiter).index == 2 and not second_waiter.done()
+        second_waiter.cancel()  # a client leaving the queue frees its place
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 0
+
+    asyncio.run(scenario())
+
+
+def test_settings_come_from_options_then_environment_then_defaults() -> None:
+    import argparse
+
+    from llama_cache.server.config import add_serve_command, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_command(parser.add_subparsers(), [])
+    args = parser.parse_args(["serve", "--port", "9000"])
+    config = config_from_args(args, {"LLAMA_CACHE_PORT": "1", "LLAMA_CACHE_PARALLEL": "3",
+                                     "LLAMA_CACHE_CACHE_DIR": "/tmp/x"})
+    assert (config.port, config.parallel, config.cache_dir, config.n_ctx) == (9000, 3, Path("/tmp/x"), 4096)
+    with pytest.raises(ValueError, match="LLAMA_CACHE_N_CTX"):
+        config_from_args(args, {"LLAMA_CACHE_N_CTX": "many"})
+    with pytest.raises(ValueError, match="parallel"):
+        config_from_args(parser.parse_args(["serve", "--parallel", "0"]), {})
