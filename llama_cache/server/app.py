@@ -105,11 +105,7 @@ def load_engine(config: ServerConfig) -> Engine:
     slots = []
     for index in range(config.parallel):
         llama = SlotLlama(model_path=str(path), n_ctx=config.n_ctx, verbose=False, **extra)
-        if isinstance(cache, LlamaDiskCache) and cache.fingerprint is None:
-            # Bound here, with the fingerprint only: Llama.set_cache would also pass a model
-            # description, which this disk tier's bind() does not take yet.
-            cache.bind(llama.fingerprint)
-        llama.set_cache(cache)
+        llama.set_cache(cache)  # binds an unbound disk tier to this model, with its description
         slots.append(Slot(index=index, llama=llama))
     first = slots[0].llama
     return Engine(
