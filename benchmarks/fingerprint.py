@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.disk import drop_from_page_cache
 from llama_cache.state import fingerprint
 
 
@@ -38,15 +39,6 @@ def _edges_identity(path: Path) -> str:
         file.seek(max(size - (1 << 20), 0))
         digest.update(file.read(1 << 20))
     return digest.hexdigest()
-
-
-def _drop_pages(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _timed(function, *args):  # type: ignore[no-untyped-def]
@@ -74,7 +66,7 @@ def main() -> int:
         rows.append(("whole file, from the page cache", seconds))
         fingerprint._memo.clear()
         (Path(workdir) / "home" / "file-identities.json").unlink()
-        _drop_pages(path)
+        drop_from_page_cache(path)
         _, seconds = _timed(fingerprint.file_identity, path)
         rows.append(("whole file, pages dropped first (disk)", seconds))
         _, seconds = _timed(fingerprint.file_identity, path)
@@ -85,7 +77,7 @@ def main() -> int:
         )
         fresh = float(subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout)
         rows.append(("a fresh process (memo file)", fresh))
-        _drop_pages(path)
+        drop_from_page_cache(path)
         _, seconds = _timed(_edges_identity, path)
         rows.append(("old identity: size + first and last MiB (disk)", seconds))
     width = max(len(name) for name, _ in rows)

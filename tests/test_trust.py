@@ -6,7 +6,6 @@ the session fixture) and failed before the behaviour it checks was built.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import shutil
@@ -55,6 +54,16 @@ def _complete(llm: llama_cpp.Llama, prompt: str = PROMPT, **kwargs: Any) -> tupl
         result = llm.create_completion(prompt, **options)
         evaluated = recorder.prompt_tokens(llm)
     return result["choices"][0]["text"], evaluated
+
+
+def _fill(llm: Llama, cache: Any) -> None:
+    """One completion of PROMPT from an empty context, its states stored in ``cache``."""
+    llm.reset()
+    llm.set_cache(cache)
+    try:
+        _complete(llm)
+    finally:
+        llm.set_cache(None)
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +154,7 @@ def test_a_state_made_with_other_kv_settings_is_a_miss_and_the_text_is_the_cold_
     base_llm: Llama, options: dict[str, Any]
 ) -> None:
     cache = LlamaRAMCache(capacity_bytes=1 << 30)
-    base_llm.reset()
-    base_llm.set_cache(cache)
-    try:
-        _complete(base_llm)
-    finally:
-        base_llm.set_cache(None)
+    _fill(base_llm, cache)
     other = _make(**options)
     try:
         cold_text, _ = _complete(other)
@@ -166,12 +170,7 @@ def test_a_state_made_with_other_kv_settings_is_a_miss_and_the_text_is_the_cold_
 
 def test_the_same_settings_hit(base_llm: Llama) -> None:
     cache = LlamaCache(capacity_bytes=1 << 30)
-    base_llm.reset()
-    base_llm.set_cache(cache)
-    try:
-        _complete(base_llm)
-    finally:
-        base_llm.set_cache(None)
+    _fill(base_llm, cache)
     twin = _make(rope_freq_base=0.0, n_batch=128, n_threads=1, cache=cache)  # only ignored things differ
     try:
         assert twin.fingerprint == base_llm.fingerprint
@@ -444,17 +443,18 @@ def test_a_cache_that_fails_to_store_never_fails_the_completion(base_llm: Llama)
     assert isinstance(text, str)
 
 
-def test_stored_state_bytes_are_not_pinned_by_a_closed_model() -> None:
-    # ctypes keeps nothing alive: a state outlives its model and restores into a new one.
+def test_a_state_outlives_its_model_and_continues_in_a_new_one() -> None:
     llm = _make()
     llm.eval(llm.tokenize(PROMPT.encode()))
     state = llm.save_state()
     llm.close()
     other = _make()
     try:
+        cold_text, _ = _complete(other)
+        other.reset()
         other.load_state(state)
-        assert other.n_tokens == state.n_tokens
-        assert isinstance(state, LlamaState)
-        assert ctypes.sizeof(ctypes.c_uint8 * len(state.llama_state)) == state.llama_state_size
+        text, evaluated = _complete(other)  # the restored prompt and its logits: no decode
     finally:
         other.close()
+    assert evaluated == 0
+    assert text == cold_text

@@ -94,11 +94,16 @@ def encode(state: LlamaState) -> list[memoryview]:
     if state.logits is not None:
         parts.append(memoryview(np.ascontiguousarray(state.logits, dtype="<f4")).cast("B"))
     parts.append(memoryview(np.ascontiguousarray(state.seq_bytes())).cast("B"))
+    return _framed(KIND_LLAMA_CACHE, header, parts)
+
+
+def _framed(kind: int, header: bytes, parts: list[memoryview]) -> list[memoryview]:
+    """The fixed prefix (magic, version, kind, lengths, checksum of header and payload), the header, the parts."""
     digest = xxhash.xxh3_64(header)
     for part in parts:
         digest.update(part)
     payload_length = sum(part.nbytes for part in parts)
-    prefix = _PREFIX.pack(MAGIC, VERSION, 0, len(header), payload_length, digest.intdigest())
+    prefix = _PREFIX.pack(MAGIC, VERSION, kind, len(header), payload_length, digest.intdigest())
     return [memoryview(prefix), memoryview(header), *parts]
 
 
@@ -154,11 +159,7 @@ def _field(header: Any, name: str, kind: type) -> Any:
 def _open(buffer: Any, *, verify: bool, kind: int) -> tuple[dict[str, Any], memoryview]:
     """Check a buffer's prefix, length and checksum; return its parsed header and its payload view."""
     view = memoryview(buffer).cast("B")
-    if view.nbytes < PREFIX_SIZE:
-        raise CorruptStateError("truncated: shorter than the fixed prefix")
-    magic, version, kind_code, header_length, payload_length, stored_digest = _PREFIX.unpack_from(view, 0)
-    if magic != MAGIC:
-        raise CorruptStateError("not a llama-cache state (bad magic)")
+    magic, version, kind_code, header_length, payload_length, stored_digest = _prefix(view)
     if version != VERSION:
         raise CorruptStateError(f"state format version {version}; this llama-cache reads {VERSION}")
     if kind_code != kind:
@@ -185,13 +186,17 @@ def payload_kind(buffer: Any) -> int:
     Raises:
         CorruptStateError: shorter than the prefix or not a llama-cache payload.
     """
-    view = memoryview(buffer).cast("B")
+    return int(_prefix(memoryview(buffer).cast("B"))[2])
+
+
+def _prefix(view: memoryview) -> tuple[Any, ...]:
+    """The unpacked fixed prefix of an encoded state, its length and magic checked."""
     if view.nbytes < PREFIX_SIZE:
         raise CorruptStateError("truncated: shorter than the fixed prefix")
-    magic, _, kind_code, _, _, _ = _PREFIX.unpack_from(view, 0)
-    if magic != MAGIC:
+    fields = _PREFIX.unpack_from(view, 0)
+    if fields[0] != MAGIC:
         raise CorruptStateError("not a llama-cache state (bad magic)")
-    return int(kind_code)
+    return fields
 
 
 def encode_upstream(state: llama_cpp.llama.LlamaState, namespace: str) -> list[memoryview]:
@@ -253,12 +258,7 @@ def encode_upstream(state: llama_cpp.llama.LlamaState, namespace: str) -> list[m
     if len(rows):
         parts.append(memoryview(np.ascontiguousarray(scores[rows], dtype="<f4")).cast("B"))
     parts.append(memoryview(np.ascontiguousarray(llama_bytes)).cast("B"))
-    digest = xxhash.xxh3_64(header)
-    for part in parts:
-        digest.update(part)
-    payload_length = sum(part.nbytes for part in parts)
-    prefix = _PREFIX.pack(MAGIC, VERSION, KIND_UPSTREAM, len(header), payload_length, digest.intdigest())
-    return [memoryview(prefix), memoryview(header), *parts]
+    return _framed(KIND_UPSTREAM, header, parts)
 
 
 def decode_upstream(buffer: Any, *, verify: bool = True) -> tuple[llama_cpp.llama.LlamaState, str]:
