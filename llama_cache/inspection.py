@@ -17,9 +17,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llama_cache.caches.disk import INDEX_FILE, CheckReport, DiskEntry, LlamaDiskCache
+from llama_cache.caches.disk import INDEX_FILE, CheckReport, DiskEntry, LlamaDiskCache, StorageReport
 
-__all__ = ["add_inspect_command", "format_entries", "format_report", "run_inspect"]
+__all__ = ["add_inspect_command", "format_entries", "format_report", "format_storage", "run_inspect"]
 
 
 def add_inspect_command(
@@ -74,7 +74,11 @@ def run_inspect(args: argparse.Namespace) -> tuple[int, str]:
     except OSError as error:
         return 2, f"llama-cache inspect: {error}"
     with cache:
-        lines = [f"disk cache {cache_dir}", format_entries(cache.entries(), limit=args.limit, models=cache.models())]
+        lines = [
+            f"disk cache {cache_dir}",
+            format_entries(cache.entries(), limit=args.limit, models=cache.models()),
+            format_storage(cache.storage()),
+        ]
         if not (args.check or args.fix):
             return 0, "\n".join(lines)
         report = cache.check(fix=bool(args.fix), deep=bool(args.deep), grace_seconds=float(args.grace))
@@ -139,6 +143,14 @@ def format_entries(
     return "\n".join(lines)
 
 
+def format_storage(report: StorageReport) -> str:
+    """Unique against logical bytes: what sharing chunks saves."""
+    return (
+        f"storage: {_human(report.unique_bytes)} unique on disk ({report.chunks} shared KV chunks) for "
+        f"{_human(report.logical_bytes)} of entries stored whole: {report.dedup_ratio:.2f}x"
+    )
+
+
 def format_report(report: CheckReport) -> str:
     """A short text account of a :class:`CheckReport`."""
     lines = [
@@ -151,12 +163,16 @@ def format_report(report: CheckReport) -> str:
         ("entries whose payload does not decode", report.corrupt_files),
         ("orphan files (named by no entry; harmless)", report.orphan_files),
         ("malformed rows (ignored by lookups; --fix deletes them)", report.malformed_rows),
+        ("entries whose chunks are missing or damaged", report.broken_chains),
+        ("chunks no entry uses (harmless; --fix frees them)", report.leaked_chunks),
     ):
         if files:
             lines.append(f"  {len(files)} {label}:")
             lines.extend(f"    {file}" for file in files[:20])
             if len(files) > 20:
                 lines.append(f"    ... and {len(files) - 20} more")
+    if report.chunks:
+        lines[0] += f", {report.chunks} chunks"
     if report.removed_entries or report.removed_files:
         lines.append(f"fixed: removed {report.removed_entries} entries and {report.removed_files} orphan files")
     if report.ok:

@@ -419,7 +419,7 @@ class Llama(llama_cpp.Llama):
         head = np.asarray(query[: state.n_tokens], dtype=np.int32)
         differs = np.flatnonzero(state.tokens[: len(head)] != head)
         common = int(differs[0]) if len(differs) else len(head)
-        if common == state.n_tokens:
+        if common == state.n_tokens and (state.logits is not None or common < len(query)):
             return state  # the whole state is on the prompt's path: restore it as it is
         keep = min(common, len(query) - 1)  # at least one prompt token left to evaluate, for logits
         return state.prefix(keep, None) if keep > 0 else state
@@ -543,7 +543,12 @@ class _FailSafeCache:
     def __getitem__(self, key: Sequence[int]) -> Any:
         self._query = key
         try:
-            value = self._cache[key]
+            # Our tiers read only what the prompt shares with the answering entry (the disk tier's
+            # chunks up to the divergence); any other cache answers as its own __getitem__ does.
+            if isinstance(self._cache, BaseLlamaCache):
+                value = self._cache.lookup_prefix(key)
+            else:
+                value = self._cache[key]
         except KeyError:
             raise
         except Exception as error:  # noqa: BLE001 - any cache failure is a miss

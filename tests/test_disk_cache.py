@@ -25,6 +25,7 @@ from llama_cache.caches import disk
 from llama_cache.caches.disk import LlamaDiskCache, payloads, schema
 from llama_cache.inspection import add_inspect_command, run_inspect
 from llama_cache.state.format import encode, encoded_size
+from llama_cache.state.chunks import default_chunk_tokens, encode_chunk, encode_head, pieces
 from llama_cache.state.llama_state import LlamaState
 from tests.cache_contract import CacheContract
 
@@ -65,8 +66,15 @@ def make_cut_state(
     return state
 
 
-def disk_size(state: LlamaState) -> int:
-    return encoded_size(encode(state))
+def disk_size(state: LlamaState, chunk_tokens: int | None = None) -> int:
+    """Bytes a state takes in an empty disk cache: its payload, or its chain head and chunks."""
+    if state.layout is None:
+        return encoded_size(encode(state))
+    size = chunk_tokens or default_chunk_tokens(state.layout)
+    chain = pieces(state.fingerprint, state.tokens, size)
+    return encoded_size(encode_head(state, size)) + sum(
+        encoded_size(encode_chunk(state.fingerprint, piece, state.layout, state.segments)) for piece in chain
+    )
 
 
 def pattern_ok(state: LlamaState) -> bool:
@@ -129,7 +137,7 @@ class _DiskContract(CacheContract):
             cache[[1, 2]] = self.make_state([1, 2], nbytes=5000)
         assert len(cache) == 1 and cache.cache_size == size_one == self.size_of(first)
         assert cache.stats().writes == 1
-        with_logits = self.maker([1, 2], 5000, logits=True)
+        with_logits = self.maker([1, 2], 3000, logits=True)  # the same KV as ``first``
         cache[[1, 2]] = with_logits
         assert len(cache) == 1 and cache.cache_size == self.size_of(with_logits)
         assert cache[[1, 2]].logits is not None and cache.stats().writes == 2
@@ -285,8 +293,8 @@ def test_loaded_states_serve_llama_cpp_bytes_from_the_mapping(open_cache: Any, s
     for seq_id in (0, 3):
         expected = serialize_segments(original.layout, list(original.segments), seq_id)
         assert np.array_equal(np.asarray(loaded.seq_bytes(seq_id)), expected)
-    # No copy: llama.cpp's bytes follow the tokens and logits in the one mapping.
-    assert loaded.seq_bytes(0).ctypes.data == loaded.tokens.ctypes.data + 4 * 50 + 4 * 16
+    # Stored as chunks and read back as views of their mapped files: one segment per chunk.
+    assert len(loaded.segments) == -(-50 // default_chunk_tokens(original.layout)) == cache.storage().chunks
     head = loaded.prefix(20, None)
     assert np.array_equal(head.seq_bytes(0), original.prefix(20, None).seq_bytes(0))
     assert np.array_equal(loaded.logits, original.logits)
@@ -837,7 +845,7 @@ def test_after_a_pure_hit_a_completion_writes_no_new_payload(tmp_path: Path) -> 
     cache.flush()
     files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
     writes = cache.stats().writes
-    assert writes == len(files) >= 1
+    assert len(files) == len(cache) + cache.storage().chunks and writes >= 1
     llm.reset()
     second = llm.create_completion(_PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
     assert second == first and cache.stats().hits >= 1

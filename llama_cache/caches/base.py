@@ -99,6 +99,18 @@ class BaseLlamaCache(_upstream.BaseLlamaCache):
     @abstractmethod
     def __getitem__(self, key: Sequence[int]) -> Any: ...
 
+    def lookup_prefix(self, key: Sequence[int]) -> Any:
+        """Like ``cache[key]``, but the state may hold only the prefix ``key`` shares with the entry.
+
+        For callers that restore only the shared prefix anyway (``llama_cache.Llama`` does): a tier
+        that can read less than a whole entry (the disk tier reads only the chunks up to the
+        divergence) overrides this. By default, ``cache[key]``.
+
+        Raises:
+            KeyError: as ``cache[key]``.
+        """
+        return self[key]
+
     @abstractmethod
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
         ...

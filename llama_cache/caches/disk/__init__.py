@@ -87,7 +87,7 @@ from __future__ import annotations
 # ``X as X``: names outside __all__ that tests and benchmarks import from here (layout and schema).
 from llama_cache.caches.disk.cache import ORPHAN_GRACE_SECONDS as ORPHAN_GRACE_SECONDS
 from llama_cache.caches.disk.cache import UNBOUND_NAMESPACE, LlamaDiskCache
-from llama_cache.caches.disk.checker import CheckReport
+from llama_cache.caches.disk.checker import CheckReport, StorageReport
 from llama_cache.caches.disk.payloads import DATA_DIR as DATA_DIR
 from llama_cache.caches.disk.rows import DiskEntry
 from llama_cache.caches.disk.schema import _ENTRY_COLUMNS as _ENTRY_COLUMNS
@@ -101,4 +101,5 @@ __all__ = [
     "CheckReport",
     "DiskEntry",
     "LlamaDiskCache",
+    "StorageReport",
 ]

@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -32,8 +31,9 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
-from llama_cache.caches.disk.checker import CheckReport, _check, _reclaim_orphans
-from llama_cache.caches.disk.payloads import DATA_DIR, _SUFFIX, _compress_level, _DataDir, _Unreadable
+from llama_cache.caches.disk import chunked, chunkstore
+from llama_cache.caches.disk.checker import CheckReport, StorageReport, _check, _reclaim_orphans, _storage
+from llama_cache.caches.disk.payloads import DATA_DIR, _compress_level, _DataDir, _Unreadable
 from llama_cache.caches.disk.rows import (
     _MAX_KEY_TOKENS,
     _MAX_NAMESPACE,
@@ -75,6 +75,7 @@ from llama_cache.state.format import (
     encoded_size,
     payload_kind,
 )
+from llama_cache.state.chunks import KIND_CHUNKED, MAX_CHUNK_FILE_TOKENS, encode_head
 from llama_cache.state.fingerprint import model_description, model_fingerprint
 from llama_cache.state.llama_state import LlamaState
 from llama_cache.state.values import can_be_cut, filing_key, state_tokens
@@ -86,9 +87,18 @@ UNBOUND_NAMESPACE = "llama-cpp-python"
 """The namespace of llama-cpp-python states stored without a fingerprint into an unbound cache."""
 ORPHAN_GRACE_SECONDS = 600.0
 """Orphan payload files older than this are removed when a cache opens the directory."""
+_KIND_NAMES = {KIND_LLAMA_CACHE: "llama_cache", KIND_UPSTREAM: "llama_cpp", KIND_CHUNKED: "chunked"}
 _LOAD_ATTEMPTS = 8  # entries tried by one lookup before it gives up (each failure removes one)
 # Connections inherited across fork: kept referenced so that their finalizer never runs in the child.
 _ABANDONED: list[sqlite3.Connection] = []
+
+
+class _ChunkGone(Exception):
+    """A chunk a store counted on was freed by another process before the store committed."""
+
+
+class _TooBig(Exception):
+    """A new entry does not fit the capacity even with every other entry evicted."""
 
 
 class LlamaDiskCache(BaseLlamaCache):
@@ -102,9 +112,16 @@ class LlamaDiskCache(BaseLlamaCache):
     cache`` asks the same without touching recency. The lookup costs O(K) in the query length per
     namespace searched, whatever the number of entries, plus mapping and checksumming the payload.
 
-    Capacity is real bytes on disk (the payload files; the SQLite index is not charged):
-    ``cache_size`` never exceeds ``capacity_bytes``. Storing evicts least recently used entries until
-    the new one fits; a state larger than the whole capacity is not stored (``stats().rejected``). The
+    Transformer states are stored as a chain of content-addressed KV chunks plus a small chain head
+    (tokens, logits): equal prefixes of any two entries are the same chunks, stored once, so a system
+    prompt shared by many conversations and each turn's history cost their bytes once (see the package
+    docstring). :meth:`lookup_prefix` reads only the chunks a query shares.
+
+    Capacity is real bytes on disk (payload, head and chunk files, each counted once however many
+    entries share it; the SQLite index is not charged): ``cache_size`` never exceeds
+    ``capacity_bytes``. Storing evicts least recently used entries until the new one fits; evicting an
+    entry frees the chunks no other entry links. A state that does not fit the whole capacity is not
+    stored (``stats().rejected``). The
     LRU order and the capacity are shared by every process using the directory (each evicts with the
     ``capacity_bytes`` it was given). ``len``, ``cache_size`` and ``stats().entries`` cover every
     namespace in the directory; hits, misses, evictions, rejections, writes and store errors are this
@@ -136,6 +153,11 @@ class LlamaDiskCache(BaseLlamaCache):
         verify: check each payload's checksum when it is read (default). Turning it off saves one pass
             over the bytes but lets a damaged payload reach llama.cpp.
         timeout: seconds (finite, > 0) to wait for another process's index transaction.
+        chunk_tokens: tokens per KV chunk (None: by the model's KV bytes per token,
+            :func:`~llama_cache.state.chunks.default_chunk_tokens`, 16 for the default model), or 0
+            to store every state whole, one payload file each (nothing shared: the fastest store
+            and hit when entries share no prefixes). Processes sharing a directory should use the
+            same value: chains of different lengths share no chunks (they are never confused either).
 
     Raises:
         TypeError, ValueError: a bad argument.
@@ -156,6 +178,7 @@ class LlamaDiskCache(BaseLlamaCache):
         compress: int | str | None = None,
         verify: bool = True,
         timeout: float = 30.0,
+        chunk_tokens: int | None = None,
     ) -> None:
         super().__init__(capacity_bytes)
         if not isinstance(cache_dir, (str, os.PathLike)):
@@ -178,6 +201,12 @@ class LlamaDiskCache(BaseLlamaCache):
         if not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be finite and positive, got {timeout!r}")
         _check_fingerprint(fingerprint)
+        if chunk_tokens is not None:
+            if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool):
+                raise TypeError(f"chunk_tokens must be an int or None, got {type(chunk_tokens).__name__}")
+            if not 0 <= chunk_tokens <= MAX_CHUNK_FILE_TOKENS:
+                raise ValueError(f"chunk_tokens must be in 0..{MAX_CHUNK_FILE_TOKENS}, got {chunk_tokens}")
+        self.chunk_tokens = chunk_tokens
         self.cache_dir = Path(directory)
         self.verbose = verbose
         self.write_behind = bool(write_behind)
@@ -195,6 +224,7 @@ class LlamaDiskCache(BaseLlamaCache):
         self._conn: sqlite3.Connection | None = None
         self._data_version = -1
         self._view = _IndexView(self._log_bad_row)
+        self._chunk_bytes = 0  # bytes of the chunk files, as of the last sync
         self._bad_rows: set[tuple[str, int]] = set()  # malformed rows already logged
         # This instance's counters.
         self._hits = self._misses = self._evictions = self._rejected = self._write_errors = 0
@@ -284,11 +314,11 @@ class LlamaDiskCache(BaseLlamaCache):
 
     @property
     def cache_size(self) -> int:
-        """Bytes of the payload files of every entry in the directory (after pending writes)."""
+        """Bytes of the payload, head and chunk files of the directory, each once (after pending writes)."""
         self._wait_for_writes()
         with self._lock:
             self._sync_or_log()
-            return self._view.bytes
+            return self._view.bytes + self._chunk_bytes
 
     def __len__(self) -> int:
         self._wait_for_writes()
@@ -322,10 +352,28 @@ class LlamaDiskCache(BaseLlamaCache):
                 entry is logged and removed), or the index is unavailable or damaged (logged).
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
+        return self._answer(key, shared_only=False)
+
+    def lookup_prefix(self, key: Sequence[int]) -> Any:
+        """Like ``cache[key]``, reading only what ``key`` shares with the entry: the chunk-granular path.
+
+        The same entry answers as for ``cache[key]``. When it diverges from ``key`` (or runs past its
+        end), the state returned holds only the common prefix, without logits, and only the chunks
+        covering that prefix are read: a prompt sharing 1,000 tokens with a 5,000-token entry reads
+        1,000 tokens' KV. Otherwise the whole state comes back, as from ``cache[key]``.
+        ``llama_cache.Llama`` looks up through this method.
+
+        Raises:
+            KeyError: as ``cache[key]``.
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        return self._answer(key, shared_only=True)
+
+    def _answer(self, key: Sequence[int], shared_only: bool) -> Any:
         query = as_token_array(key)
         self._wait_for_writes()
         try:
-            state = self._lookup(query)
+            state = self._lookup(query, shared_only)
         except Exception as error:  # noqa: BLE001 - whatever the directory holds, a lookup only misses
             logger.warning("disk cache: index unavailable or damaged (%s: %s); a miss", type(error).__name__, error)
             state = None
@@ -335,7 +383,7 @@ class LlamaDiskCache(BaseLlamaCache):
             raise KeyError("no cached prefix for this key")
         return state
 
-    def _lookup(self, query: npt.NDArray[np.int32]) -> Any:
+    def _lookup(self, query: npt.NDArray[np.int32], shared_only: bool) -> Any:
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
                 self._sync()
@@ -343,10 +391,14 @@ class LlamaDiskCache(BaseLlamaCache):
             if match is None:
                 return None
             entry = match.value
+            upto = match.common if shared_only and entry.cut and match.common < entry.n_state else None
             try:
-                state = self._load(entry, np.asarray(match.key, dtype=np.int32))
+                state = self._load(entry, np.asarray(match.key, dtype=np.int32), upto)
             except _Unreadable as problem:
                 self._forget_unreadable(entry, problem)
+                continue
+            except chunked.BrokenChain as broken:
+                self._forget_broken_chunk(entry, broken)
                 continue
             with self._lock:
                 self._touch(entry.id)
@@ -387,7 +439,7 @@ class LlamaDiskCache(BaseLlamaCache):
             TypeError, ValueError: the value cannot be stored.
         """
         if isinstance(value, LlamaState):
-            kind = KIND_LLAMA_CACHE
+            kind = KIND_LLAMA_CACHE if value.layout is None or self.chunk_tokens == 0 else KIND_CHUNKED
             namespace = value.fingerprint
             if not isinstance(namespace, str) or not 0 < len(namespace) <= _MAX_NAMESPACE:
                 raise ValueError("the state has no fingerprint")
@@ -464,7 +516,7 @@ class LlamaDiskCache(BaseLlamaCache):
                 DiskEntry(
                     entry.id, entry.namespace, entry.n_key, entry.size, entry.raw_size, entry.codec, entry.file,
                     _as_float(created), _as_float(accessed), hits if _is_int(hits) else 0,
-                    "llama_cpp" if entry.kind == KIND_UPSTREAM else "llama_cache", entry.cut,
+                    _KIND_NAMES[entry.kind], entry.cut,
                 )
             )
         return out
@@ -485,7 +537,7 @@ class LlamaDiskCache(BaseLlamaCache):
                 hits=self._hits,
                 misses=self._misses,
                 entries=len(self._view.entries),
-                bytes=self._view.bytes,
+                bytes=self._view.bytes + self._chunk_bytes,
                 capacity_bytes=self.capacity_bytes,
                 evictions=self._evictions,
                 rejected=self._rejected,
@@ -523,6 +575,14 @@ class LlamaDiskCache(BaseLlamaCache):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def storage(self) -> StorageReport:
+        """Unique bytes on disk against logical bytes (every entry stored whole): what chunks save.
+
+        Raises:
+            sqlite3.Error: the index is unavailable.
+        """
+        return _storage(self)
 
     def check(self, fix: bool = False, *, deep: bool = False, grace_seconds: float = 60.0) -> CheckReport:
         """Reconcile the index with the payload files.
@@ -567,10 +627,12 @@ class LlamaDiskCache(BaseLlamaCache):
         self._data_version = version
         if conn.in_transaction:
             self._view.replay(conn)
+            self._chunk_bytes = chunkstore.stored_bytes(conn)
             return
         conn.execute("BEGIN")
         try:
             self._view.replay(conn)
+            self._chunk_bytes = chunkstore.stored_bytes(conn)
         finally:
             conn.execute("COMMIT")
 
@@ -648,17 +710,28 @@ class LlamaDiskCache(BaseLlamaCache):
 
     # ----------------------------------------------------------------------------------- reading
 
-    def _load(self, entry: _Entry, key: npt.NDArray[np.int32] | None) -> Any:
+    def _load(self, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> Any:
         """Read, decode and check an entry's payload. No lock needed: payload files never change.
 
         Args:
             entry: a validated entry.
             key: its key (None: do not compare the state's tokens with it).
+            upto: return only the state of the first ``upto`` tokens (a cuttable entry's; None: all).
 
         Raises:
             _Unreadable: the file is missing, not a regular file, has the wrong length, does not
                 decode, or does not hold what its row says.
+            chunked.BrokenChain: a chunked entry's links or chunks are.
         """
+        if entry.kind == KIND_CHUNKED:
+            return chunked.load(self, entry, key, upto)
+        state = self._load_whole(entry, key)
+        if upto is not None and isinstance(state, LlamaState) and state.layout is not None:
+            return state.prefix(upto, None)
+        return state
+
+    def _load_whole(self, entry: _Entry, key: npt.NDArray[np.int32] | None) -> Any:
+        """Read an entry stored whole (a payload file)."""
         buffer = self._data.read(entry.file, entry.size, entry.codec, entry.raw_size)
         try:
             kind = payload_kind(buffer)
@@ -696,6 +769,35 @@ class LlamaDiskCache(BaseLlamaCache):
                 return  # evicted or replaced meanwhile: not damage
             logger.warning("disk cache: dropping entry %s (%s): %s", entry.id, entry.file, problem)
             self._delete([entry])
+
+    def _forget_broken_chunk(self, entry: _Entry, broken: chunked.BrokenChain) -> None:
+        """Remove a damaged chunk and every entry linking it, unless the chain changed meanwhile.
+
+        A chunk freed or absorbed by another process between reading the links and opening the file
+        is not damage: the entry's links have moved on, and the next attempt reads the new ones.
+        """
+        with self._lock:
+            try:
+                self._sync()
+                if entry.id not in self._view.entries:
+                    return
+                conn = self._connection()
+                linked = [row[0] for row in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (entry.id,))]
+                if broken.chunk is not None and broken.chunk not in linked:
+                    return
+                if broken.chunk is None:
+                    users = [entry.id]
+                else:
+                    users = [row[0] for row in conn.execute("SELECT entry_id FROM links WHERE chunk = ?", (broken.chunk,))]
+            except sqlite3.Error as error:
+                logger.warning("disk cache: index unavailable (%s)", error)
+                return
+            victims = [self._view.entries[i] for i in users if i in self._view.entries]
+            logger.warning(
+                "disk cache: dropping %d entries using a damaged chunk %s: %s",
+                len(victims), broken.chunk.hex() if broken.chunk else "(links)", broken.reason,
+            )
+            self._delete(victims)
 
     def _touch(self, entry_id: int, hit: bool = True) -> None:
         """Make an entry the most recently used, for every process. Lock held; errors are logged."""
@@ -755,6 +857,9 @@ class LlamaDiskCache(BaseLlamaCache):
                 self._store_errors += 1
             logger.warning("disk cache: index unavailable (%s); state not cached", error)
             return
+        if kind == KIND_CHUNKED:
+            self._store_chunked(tokens, value, namespace)
+            return
         try:
             parts = encode_upstream(value, namespace) if kind == KIND_UPSTREAM else encode(value)
         except (TypeError, ValueError, AttributeError) as error:
@@ -775,18 +880,11 @@ class LlamaDiskCache(BaseLlamaCache):
         if self.compress is None and raw_size > self.capacity_bytes:
             self._reject(namespace, tokens, raw_size)
             return
-        name = f"{secrets.token_hex(1)}/{secrets.token_hex(16)}{_SUFFIX}"
+        name = chunked.new_name()
         try:
             size = self._data.write(name, parts, self.compress, self.fsync)
         except OSError as error:
-            with self._lock:
-                self._write_errors += 1
-                self._store_errors += 1
-            level = logging.WARNING
-            if error.errno in (errno.ENOSPC, errno.EDQUOT):
-                logger.log(level, "disk cache: no space left for a %d-byte state; not cached", raw_size)
-            else:
-                logger.log(level, "disk cache: could not write a state (%s); not cached", error)
+            self._write_failed(error, raw_size)
             return
         if size > self.capacity_bytes:
             self._data.unlink(name)
@@ -795,44 +893,93 @@ class LlamaDiskCache(BaseLlamaCache):
         row = (kind, int(cut), int(has_logits()), n_state)
         self._commit(namespace, tokens, name, size, raw_size, row)
 
+    def _write_failed(self, error: OSError, nbytes: int) -> None:
+        with self._lock:
+            self._write_errors += 1
+            self._store_errors += 1
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            logger.warning("disk cache: no space left for a %d-byte state; not cached", nbytes)
+        else:
+            logger.warning("disk cache: could not write a state (%s); not cached", error)
+
+    def _store_chunked(self, tokens: npt.NDArray[np.int32], state: LlamaState, namespace: str) -> None:
+        """Store a transformer state as its chain head and the chunks the index does not hold yet.
+
+        Only missing chunks are written (before the commit, like any payload). Should another
+        process free a chunk this store counted on before it commits, the store starts over once.
+        """
+        for attempt in range(2):
+            try:
+                with self._lock:
+                    self._sync()
+                    chain = chunked.plan(self, state, namespace)
+            except sqlite3.Error as error:
+                with self._lock:
+                    self._write_errors += 1
+                    self._store_errors += 1
+                logger.warning("disk cache: index unavailable (%s); state not cached", error)
+                return
+            head = encode_head(state, chain.chunk_tokens)
+            raw_size = encoded_size(head)
+            name = chunked.new_name()
+            try:
+                chunked.write_chunks(self, state, namespace, chain)
+                size = self._data.write(name, head, self.compress, self.fsync)
+            except OSError as error:
+                chunked.discard(self, chain)
+                self._write_failed(error, raw_size + sum(piece.n_tokens for piece in chain.todo))
+                return
+            row = (KIND_CHUNKED, 1, int(state.logits is not None), state.n_tokens)
+            if self._commit(namespace, tokens, name, size, raw_size, row, chain) or attempt:
+                return
+
     def _commit(
         self, namespace: str, tokens: npt.NDArray[np.int32], name: str, size: int, raw_size: int,
-        row: tuple[int, int, int, int],
-    ) -> None:
-        """Commit a written payload: replace the same key, evict LRU entries, then unlink their files."""
+        row: tuple[int, int, int, int], chain: chunked.ChainPlan | None = None,
+    ) -> bool:
+        """Commit a written payload (and chunks): replace the same key, evict LRU entries, then unlink
+        the files nothing names any more.
+
+        Returns:
+            False when a chunk ``chain`` counted on is gone (nothing committed, the files written are
+            removed: plan again), else True (committed, rejected or failed and logged).
+        """
         blob = _key_blob(tokens)
         now = time.time()
+        unused: list[str] = []  # files written by this store that another store's rows made redundant
+        freed: list[tuple[str, int]] = []
         with self._lock:
             try:
                 conn = self._connection()
                 with _transaction(conn):
                     self._sync(force=True)  # under the write lock: the local view equals the index
+                    unlinked: set[bytes] = set()
+                    if chain is not None:
+                        for chunk in chain.written:
+                            if chunkstore.insert(conn, chunk):
+                                unlinked |= chunkstore.absorb(conn, chunk)
+                            else:
+                                unused.append(chunk.file)
+                        if len(chunkstore.present(conn, chain.ids)) != len(set(chain.ids)):
+                            raise _ChunkGone
                     old = self._view.exact(namespace, tokens)
-                    victims = [old] if old is not None else []
-                    total = self._view.bytes - (old.size if old is not None else 0)
-                    evicted = 0
-                    for entry_id in self._view.lru:
-                        if total + size <= self.capacity_bytes:
-                            break
-                        entry = self._view.entries[entry_id]
-                        if entry is not old:
-                            victims.append(entry)
-                            total -= entry.size
-                            evicted += 1
                     # A replaced entry's hit count carries over: the same prompt is re-stored after
                     # each completion that hit it.
                     hits = 0
                     if old is not None:
                         found = conn.execute("SELECT hits FROM entries WHERE id = ?", (old.id,)).fetchone()
                         hits = found[0] if found is not None and _is_int(found[0]) and found[0] >= 0 else 0
-                    _delete_rows(conn, victims)
+                    victims, linked = _delete_rows(conn, [old] if old is not None else [])
+                    unlinked |= linked
                     # A malformed row holding this key (not in memory) would break UNIQUE: it goes too.
                     key_hash = _key_hash(blob)
-                    conn.execute(
-                        "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE namespace = ? AND key_hash = ?",
-                        (_DELETE, namespace, key_hash),
-                    )
-                    conn.execute("DELETE FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, key_hash))
+                    for (stale,) in conn.execute(
+                        "SELECT id FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, key_hash)
+                    ).fetchall():
+                        conn.execute("INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_DELETE, stale))
+                        conn.execute("DELETE FROM entries WHERE id = ?", (stale,))
+                        unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (stale,)))
+                        conn.execute("DELETE FROM links WHERE entry_id = ?", (stale,))
                     cursor = conn.execute(
                         "INSERT INTO entries (namespace, key, key_hash, kind, cut, logits, n_state, file, size, "
                         "raw_size, codec, created, accessed, recency, hits) "
@@ -841,23 +988,57 @@ class LlamaDiskCache(BaseLlamaCache):
                          "raw" if self.compress is None else "zlib", now, now, hits),
                     )
                     entry_id = cursor.lastrowid
+                    assert entry_id is not None  # set by every INSERT
+                    # Links left under this id by a damaged index (ids are not reused otherwise) go.
+                    unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (entry_id,)))
+                    conn.execute("DELETE FROM links WHERE entry_id = ?", (entry_id,))
+                    if chain is not None:
+                        chunkstore.link(conn, entry_id, chain.ids)
+                    freed += chunkstore.release(conn, unlinked)
+                    # Evict least recently used entries until the unique bytes fit.
+                    total = self._view.bytes - (old.size if old is not None else 0) + size
+                    total += chunkstore.stored_bytes(conn)
+                    evicted = 0
+                    for victim_id in self._view.lru:
+                        if total <= self.capacity_bytes:
+                            break
+                        entry = self._view.entries[victim_id]
+                        if entry is old:
+                            continue
+                        gone, linked = _delete_rows(conn, [entry])
+                        released = chunkstore.release(conn, linked)
+                        freed += released
+                        victims += gone
+                        total -= entry.size + sum(nbytes for _, nbytes in released)
+                        evicted += 1
+                    if total > self.capacity_bytes:
+                        raise _TooBig
                     seq = conn.execute(
                         "INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_ADD, entry_id)
                     ).lastrowid
-                    assert entry_id is not None and seq is not None  # set by every INSERT
+                    assert seq is not None
                     conn.execute("UPDATE entries SET recency = ? WHERE id = ?", (seq, entry_id))
                     _maybe_trim(conn, seq)
-            except sqlite3.Error as error:
+            except (_ChunkGone, _TooBig, sqlite3.Error) as error:
+                self._data.unlink(name)
+                if chain is not None:
+                    chunked.discard(self, chain)
+                if isinstance(error, _ChunkGone):
+                    return False
+                if isinstance(error, _TooBig):
+                    self._reject(namespace, tokens, size + (chain.written_bytes if chain is not None else 0))
+                    return True
                 self._write_errors += 1
                 self._store_errors += 1
                 logger.warning("disk cache: could not commit a state (%s); not cached", error)
-                self._data.unlink(name)
-                return
+                return True
             self._evictions += evicted
             self._writes += 1
             self._sync_or_log(force=True)  # committed; on failure the next operation catches up
-        for victim in victims:  # only now that no committed row names them
-            self._data.unlink(victim.file)
+        # Only now that no committed row names them.
+        for file in [victim.file for victim in victims] + [file for file, _ in freed] + unused:
+            self._data.unlink(file)
+        return True
 
     def _reject(self, namespace: str, tokens: npt.NDArray[np.int32], size: int) -> None:
         logger.info(
@@ -887,13 +1068,14 @@ class LlamaDiskCache(BaseLlamaCache):
         try:
             conn = self._connection()
             with _transaction(conn):
-                deleted = _delete_rows(conn, victims)
+                deleted, linked = _delete_rows(conn, victims)
+                freed = chunkstore.release(conn, linked)
         except sqlite3.Error as error:
             logger.warning("disk cache: could not delete %d entries: %s", len(victims), error)
             return []
         self._sync_or_log(force=True)
-        for victim in deleted:
-            self._data.unlink(victim.file)
+        for file in [victim.file for victim in deleted] + [file for file, _ in freed]:
+            self._data.unlink(file)
         return deleted
 
     # ---------------------------------------------------------------------------------- fork hooks

@@ -2,9 +2,11 @@
 
 :func:`_check` backs :meth:`LlamaDiskCache.check <llama_cache.caches.disk.LlamaDiskCache.check>`: it
 lists malformed rows, orphan files (named by no row), rows whose file is missing, is not a regular file
-or has another length than recorded, and (``deep``) rows whose payload does not decode, and returns a
-:class:`CheckReport`. With ``fix`` it deletes the bad entries and malformed rows through the change log
-(so other processes follow) and unlinks orphans older than the grace period. :func:`_reclaim_orphans`
+or has another length than recorded, and (``deep``) rows whose payload does not decode; for chunks,
+chunks no entry links (leaked) and entries linking a chunk that is not stored or whose file is bad. It
+returns a :class:`CheckReport`. With ``fix`` it deletes the bad entries, leaked chunks and malformed
+rows through the change log (so other processes follow) and unlinks orphans older than the grace
+period. :func:`_storage` counts unique and logical bytes. :func:`_reclaim_orphans`
 is the sweep a cache runs when it opens a directory. Both work through the cache's own lock, connection
 and in-memory view, and never raise for what the directory holds.
 """
@@ -18,8 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from llama_cache.caches.disk import chunkstore
+from llama_cache.caches.disk.chunked import BrokenChain
 from llama_cache.caches.disk.payloads import _Unreadable
-from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _model_info_from_row
+from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int, _model_info_from_row
 from llama_cache.caches.disk.schema import _DELETE, _ROW, _transaction
 
 if TYPE_CHECKING:
@@ -48,6 +52,10 @@ class CheckReport:
         removed_files: orphan files deleted by ``fix`` (those older than the grace period).
         malformed_rows: rows of the index that do not validate (``"table #id: reason"``); ignored by
             lookups, deleted by ``fix``.
+        chunks: chunk rows in the index.
+        leaked_chunks: chunks no entry links (ids in hex): harmless wasted space, freed by ``fix``.
+        broken_chains: entries linking a chunk that is not stored, or whose file is missing or of
+            another length (``deep``: or does not decode); misses for callers, deleted by ``fix``.
     """
 
     entries: int
@@ -62,16 +70,61 @@ class CheckReport:
     removed_entries: int = 0
     removed_files: int = 0
     malformed_rows: tuple[str, ...] = ()
+    chunks: int = 0
+    leaked_chunks: tuple[str, ...] = ()
+    broken_chains: tuple[str, ...] = ()
 
     @property
     def problems(self) -> tuple[str, ...]:
-        """What could hurt: rows naming a missing, resized or corrupt payload, and malformed rows."""
-        return self.missing_files + self.size_mismatches + self.corrupt_files + self.malformed_rows
+        """What could hurt: rows naming a missing, resized or corrupt payload or chunk, malformed rows."""
+        return self.missing_files + self.size_mismatches + self.corrupt_files + self.malformed_rows + self.broken_chains
 
     @property
     def ok(self) -> bool:
         """True when nothing at all is wrong (no orphan either)."""
-        return self.index_ok and not self.problems and not self.orphan_files
+        return self.index_ok and not self.problems and not self.orphan_files and not self.leaked_chunks
+
+
+@dataclass(frozen=True, slots=True)
+class StorageReport:
+    """How much sharing chunks saves: :meth:`LlamaDiskCache.storage`.
+
+    Attributes:
+        entries: entries in the index.
+        chunks: chunk files.
+        unique_bytes: bytes of every payload, head and chunk file, each once (what the disk holds).
+        logical_bytes: what the entries would take stored whole: each entry's payload or head plus
+            every chunk it links, counted once per entry linking it.
+    """
+
+    entries: int
+    chunks: int
+    unique_bytes: int
+    logical_bytes: int
+
+    @property
+    def dedup_ratio(self) -> float:
+        """``logical_bytes / unique_bytes`` (1.0 for an empty cache)."""
+        return self.logical_bytes / self.unique_bytes if self.unique_bytes else 1.0
+
+
+def _storage(cache: LlamaDiskCache) -> StorageReport:
+    """What :meth:`LlamaDiskCache.storage` does; a function of the cache."""
+    cache._wait_for_writes()
+    with cache._lock:
+        cache._sync()
+        conn = cache._connection()
+        chunks = conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
+        linked = conn.execute(
+            "SELECT COALESCE(SUM(c.size), 0) FROM links AS l JOIN chunks AS c ON c.id = l.chunk "
+            "WHERE typeof(c.size) = 'integer' AND c.size > 0"
+        ).fetchone()[0]
+        entry_bytes = cache._view.bytes
+        unique = entry_bytes + cache._chunk_bytes
+    return StorageReport(
+        len(cache._view.entries), int(chunks) if _is_int(chunks) else 0, unique,
+        entry_bytes + (int(linked) if _is_int(linked) else 0),
+    )
 
 
 def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -> CheckReport:
@@ -85,12 +138,14 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
             cache._sync_or_log()
             raw_rows = conn.execute(f"SELECT {_ROW} FROM entries").fetchall()
             model_rows = conn.execute("SELECT rowid, fingerprint, info FROM models").fetchall()
+            chunk_rows = conn.execute(f"SELECT {chunkstore._CHUNK_COLUMNS} FROM chunks").fetchall()
+            links = conn.execute("SELECT entry_id, chunk FROM links").fetchall()
             index_ok = conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
     except sqlite3.Error as error:
         logger.warning("check: index unavailable: %s", error)
         return CheckReport(0, 0, 0, 0, (), (), (), (), False)
     rows: list[_Entry] = []
-    malformed: list[tuple[str, int, str]] = []
+    malformed: list[tuple[str, Any, str]] = []
     named: set[Any] = set()
     for row in raw_rows:
         named.add(row[7])
@@ -98,6 +153,15 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
             rows.append(_entry_from_row(row)[0])
         except _BadRow as problem:
             malformed.append(("entries", row[0], str(problem)))
+    chunks: dict[bytes, chunkstore.ChunkRow] = {}
+    for row in chunk_rows:
+        named.add(row[5])
+        try:
+            chunk = chunkstore.chunk_from_row(row)
+        except _BadRow as problem:
+            malformed.append(("chunks", row[0], str(problem)))
+            continue
+        chunks[chunk.id] = chunk
     for rowid, fingerprint, info in model_rows:
         try:
             _model_info_from_row(fingerprint, info)
@@ -109,6 +173,7 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
     missing: list[tuple[int, str]] = []
     mismatched: list[tuple[int, str]] = []
     corrupt: list[tuple[int, str]] = []
+    broken: list[tuple[int, str]] = []  # chunked entries whose chain is not whole
     for entry in rows:
         found = files.get(entry.file)
         if found is None:
@@ -123,8 +188,22 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
                     cache._load(live, None)
                 except _Unreadable:
                     corrupt.append((entry.id, entry.file))
+                except BrokenChain as problem:
+                    broken.append((entry.id, f"entry {entry.id}: {problem}"))
+    # Chunks: every link must name a stored chunk whose file is there with its length.
+    linked: dict[bytes, list[int]] = {}
+    for entry_id, ident in links:
+        linked.setdefault(ident, []).append(entry_id)
+    for ident, users in linked.items():
+        chunk = chunks.get(ident)
+        found = files.get(chunk.file) if chunk is not None else None
+        if chunk is None or found is None or found[0] != chunk.size:
+            what = "not stored" if chunk is None else "file missing" if found is None else "file of another length"
+            broken += [(user, f"entry {user}: chunk {ident.hex() if isinstance(ident, bytes) else ident!r} {what}")
+                       for user in users]
+    leaked = sorted(ident for ident in chunks if ident not in linked)
     # Rows evicted by another process while we looked are not problems.
-    suspects = missing + mismatched + corrupt
+    suspects = missing + mismatched + corrupt + broken
     if suspects:
         with cache._lock:
             cache._sync_or_log()
@@ -132,19 +211,25 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
         missing = [m for m in missing if m[0] in alive]
         mismatched = [m for m in mismatched if m[0] in alive]
         corrupt = [m for m in corrupt if m[0] in alive]
+        broken = [m for m in broken if m[0] in alive]
     orphans = sorted(file for file in files if file not in named)
     removed_entries = removed_files = 0
     if fix:
-        bad = {i for i, _ in missing + mismatched + corrupt}
+        bad = {i for i, _ in missing + mismatched + corrupt + broken}
         with cache._lock:
             cache._sync_or_log()
             victims = [cache._view.entries[i] for i in bad if i in cache._view.entries]
             removed_entries = len(cache._delete(victims))
             removed_entries += _delete_malformed(cache, malformed)
+            _release_leaked(cache, leaked)
         now = time.time()
         with cache._lock:
             cache._sync_or_log()
             still_named = {entry.file for entry in cache._view.entries.values()}
+            try:
+                still_named |= {row[0] for row in cache._connection().execute("SELECT file FROM chunks")}
+            except sqlite3.Error:
+                still_named |= set(files)  # unknown: remove nothing
         for file in orphans:
             if file in still_named or now - files[file][1] < grace_seconds:
                 continue
@@ -159,14 +244,35 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
         missing_files=tuple(file for _, file in missing),
         size_mismatches=tuple(file for _, file in mismatched),
         corrupt_files=tuple(file for _, file in corrupt),
+        chunks=len(chunk_rows),
+        leaked_chunks=tuple(ident.hex() for ident in leaked),
+        broken_chains=tuple(reason for _, reason in broken),
         index_ok=index_ok,
         removed_entries=removed_entries,
         removed_files=removed_files,
-        malformed_rows=tuple(f"{table} #{rowid}: {reason}" for table, rowid, reason in malformed),
+        malformed_rows=tuple(
+            f"{table} #{rowid.hex() if isinstance(rowid, bytes) else rowid}: {reason}" for table, rowid, reason in malformed
+        ),
     )
 
 
-def _delete_malformed(cache: LlamaDiskCache, malformed: list[tuple[str, int, str]]) -> int:
+def _release_leaked(cache: LlamaDiskCache, leaked: list[bytes]) -> None:
+    """Free chunks no entry links (rechecked in the transaction), then unlink their files. Lock held."""
+    if not leaked:
+        return
+    try:
+        conn = cache._connection()
+        with _transaction(conn):
+            freed = chunkstore.release(conn, leaked)
+    except sqlite3.Error as error:
+        logger.warning("check: could not free leaked chunks: %s", error)
+        return
+    cache._sync_or_log(force=True)
+    for file, _ in freed:
+        cache._data.unlink(file)
+
+
+def _delete_malformed(cache: LlamaDiskCache, malformed: list[tuple[str, Any, str]]) -> int:
     """Delete malformed rows (their files, not trusted, are left to the orphan sweep). Lock held."""
     if not malformed:
         return 0
@@ -180,6 +286,9 @@ def _delete_malformed(cache: LlamaDiskCache, malformed: list[tuple[str, int, str
                         "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?", (_DELETE, rowid)
                     )
                     removed += conn.execute("DELETE FROM entries WHERE id = ?", (rowid,)).rowcount
+                    conn.execute("DELETE FROM links WHERE entry_id = ?", (rowid,))
+                elif table == "chunks":
+                    conn.execute("DELETE FROM chunks WHERE id = ?", (rowid,))
                 else:
                     conn.execute("DELETE FROM models WHERE rowid = ?", (rowid,))
     except sqlite3.Error as error:
@@ -196,7 +305,8 @@ def _reclaim_orphans(cache: LlamaDiskCache, grace_seconds: float) -> None:
         if not files:
             return
         with cache._lock:
-            named = {row[0] for row in cache._connection().execute("SELECT file FROM entries")}
+            conn = cache._connection()
+            named = {row[0] for row in conn.execute("SELECT file FROM entries UNION ALL SELECT file FROM chunks")}
     except (sqlite3.Error, OSError) as error:
         logger.warning("disk cache: could not look for orphan files: %s", error)
         return

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.disk.payloads import _CODECS, _FILE_NAME
+from llama_cache.state.chunks import KIND_CHUNKED
 from llama_cache.state.format import KIND_LLAMA_CACHE, KIND_UPSTREAM
 
 # Bounds on what the index may claim (everything read from it is untrusted).
@@ -45,14 +46,15 @@ class DiskEntry:
         id: the entry's row id (never reused).
         namespace: the fingerprint of the model that made the state.
         n_tokens: length of the key.
-        size: bytes of the payload file.
+        size: bytes of the payload file (of a chunked entry: its chain head, without the chunks).
         raw_size: bytes of the encoded state (differs from ``size`` when compressed).
         codec: ``"raw"`` or ``"zlib"``.
         file: payload path relative to the data directory.
         created: unix time it was stored.
         accessed: unix time of its last store or hit.
         hits: lookups it answered.
-        kind: ``"llama_cache"`` or ``"llama_cpp"`` (llama-cpp-python's ``LlamaState``).
+        kind: ``"llama_cache"`` (stored whole), ``"chunked"`` (a llama-cache state stored as a chain
+            head and shared chunks) or ``"llama_cpp"`` (llama-cpp-python's ``LlamaState``).
         can_be_cut: whether the state answers queries diverging from its key.
     """
 
@@ -126,12 +128,12 @@ def _entry_from_row(row: Sequence[Any]) -> tuple[_Entry, npt.NDArray[np.int32]]:
     tokens = _tokens(key)
     if len(tokens) and int(tokens.min()) < 0:
         raise _BadRow("key holds a negative token")
-    if kind not in (KIND_LLAMA_CACHE, KIND_UPSTREAM) or not _is_int(kind):
+    if kind not in (KIND_LLAMA_CACHE, KIND_UPSTREAM, KIND_CHUNKED) or not _is_int(kind):
         raise _BadRow("unknown kind")
     if cut not in (0, 1) or logits not in (0, 1) or not _is_int(cut) or not _is_int(logits):
         raise _BadRow("cut/logits are not 0 or 1")
-    if kind == KIND_UPSTREAM and not cut:
-        raise _BadRow("a llama-cpp-python state is always cut")
+    if kind in (KIND_UPSTREAM, KIND_CHUNKED) and not cut:
+        raise _BadRow("a llama-cpp-python or chunked state is always cut")
     if not _is_int(n_state) or not len(tokens) <= n_state <= _MAX_KEY_TOKENS:
         raise _BadRow("n_state is not a token count at least the key's")
     if not isinstance(file, str) or not _FILE_NAME.fullmatch(file):

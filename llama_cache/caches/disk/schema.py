@@ -1,8 +1,10 @@
 """The disk tier's index: its SQLite schema, its version, creation and migration, and the change log.
 
-The index (``INDEX_FILE`` in the cache directory, WAL mode) holds four tables: ``entries`` (one row per
-payload), ``changes`` (the change log every process replays, see the package docstring), ``meta`` (the
-log's trim point, ``floor``) and ``models`` (descriptions of the namespaces' models). This module owns
+The index (``INDEX_FILE`` in the cache directory, WAL mode) holds six tables: ``entries`` (one row per
+entry), ``changes`` (the change log every process replays, see the package docstring), ``meta`` (the
+log's trim point, ``floor``), ``models`` (descriptions of the namespaces' models), ``chunks`` (one row
+per stored KV chunk) and ``links`` (which chunks each chunked entry uses, in order: a chunk's
+reference count is its number of links). This module owns
 their definition and the SQL shared by the cache and the checker; it holds no state. Nothing read from
 the index is trusted here: rows are validated by :mod:`.rows`.
 
@@ -22,7 +24,10 @@ from llama_cache.caches.disk.rows import _Entry, _is_int
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
 INDEX_FILE = "index.sqlite3"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# Version 2 (whole-state entries only) is upgraded in place: its tables are version 3's minus chunks
+# and links, and its entries stay readable as whole-state entries.
+_UPGRADABLE = (2,)
 
 _ADD, _TOUCH, _DELETE = 1, 2, 3  # change-log operations
 _TRIM_EVERY = 20_000  # log rows accumulated before a trim...
@@ -38,11 +43,12 @@ _SCHEMA = (
         namespace TEXT NOT NULL,     -- the state's model fingerprint
         key BLOB NOT NULL,           -- the tokens, int32 little-endian
         key_hash BLOB NOT NULL,      -- blake2b-128 of key, for uniqueness
-        kind INTEGER NOT NULL,       -- 0 llama-cache LlamaState, 1 llama-cpp-python LlamaState
+        kind INTEGER NOT NULL,       -- 0 llama-cache LlamaState, 1 llama-cpp-python LlamaState,
+                                     -- 2 llama-cache LlamaState as a chain head and chunks (links)
         cut INTEGER NOT NULL,        -- 1 when the state can be cut back to a shorter prefix
         logits INTEGER NOT NULL,     -- 1 when the state holds logits
         n_state INTEGER NOT NULL,    -- tokens the state holds (the key is a prefix of them)
-        file TEXT NOT NULL,          -- payload path relative to data/
+        file TEXT NOT NULL,          -- payload (or chain head) path relative to data/
         size INTEGER NOT NULL,       -- bytes of the payload file
         raw_size INTEGER NOT NULL,   -- bytes of the encoded state (size unless compressed)
         codec TEXT NOT NULL,         -- 'raw' or 'zlib'
@@ -66,8 +72,27 @@ _SCHEMA = (
         fingerprint TEXT PRIMARY KEY, -- a namespace
         info TEXT NOT NULL            -- JSON object of short strings: file, desc, n_params
     )""",
+    """CREATE TABLE IF NOT EXISTS chunks (
+        id BLOB PRIMARY KEY,         -- chained hash of namespace, prev and tokens (state/chunks.py)
+        namespace TEXT NOT NULL,
+        prev BLOB NOT NULL,          -- the previous chunk's id; empty for a chain's first chunk
+        start INTEGER NOT NULL,      -- position of its first token
+        tokens BLOB NOT NULL,        -- its tokens, int32 little-endian
+        file TEXT NOT NULL,          -- chunk file path relative to data/
+        size INTEGER NOT NULL,
+        raw_size INTEGER NOT NULL,
+        codec TEXT NOT NULL
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS chunks_prev ON chunks (namespace, prev)",
+    """CREATE TABLE IF NOT EXISTS links (
+        entry_id INTEGER NOT NULL,
+        pos INTEGER NOT NULL,        -- the chunk's index in the entry's chain
+        chunk BLOB NOT NULL,
+        PRIMARY KEY (entry_id, pos)
+    ) WITHOUT ROWID""",
+    "CREATE INDEX IF NOT EXISTS links_chunk ON links (chunk)",
 )
-_TABLES = ("entries", "changes", "meta", "models")
+_TABLES = ("entries", "changes", "meta", "models", "chunks", "links")
 _ROW = "id, namespace, key, kind, cut, logits, n_state, file, size, raw_size, codec, recency"
 
 # Changes newer than a seq, with what replaying them needs. Adds and touches join their entry: an
@@ -103,7 +128,7 @@ def _create_schema(conn: sqlite3.Connection, db_path: Path) -> None:
             f"{str(db_path)!r} has index schema version {version}; this llama-cache reads "
             f"{SCHEMA_VERSION} (use another directory, or upgrade llama-cache)"
         )
-    if version not in (0, SCHEMA_VERSION) or not _schema_ok(conn):
+    if version not in (0, SCHEMA_VERSION, *_UPGRADABLE) or not _schema_ok(conn):
         # An older or damaged schema: it is a cache, so start it again (the old payloads become
         # orphans, removed by the sweep once older than the grace period).
         logger.warning(
@@ -124,6 +149,8 @@ def _schema_ok(conn: sqlite3.Connection) -> bool:
         "changes": ["seq", "op", "entry_id", "namespace", "key"],
         "meta": ["name", "value"],
         "models": ["fingerprint", "info"],
+        "chunks": ["id", "namespace", "prev", "start", "tokens", "file", "size", "raw_size", "codec"],
+        "links": ["entry_id", "pos", "chunk"],
     }
     for table, columns in expected.items():
         found = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]
@@ -167,13 +194,18 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
-def _delete_rows(conn: sqlite3.Connection, victims: list[_Entry]) -> list[_Entry]:
-    """Delete entries' rows, logging each delete with its key (for replaying processes).
+def _delete_rows(conn: sqlite3.Connection, victims: list[_Entry]) -> tuple[list[_Entry], set[bytes]]:
+    """Delete entries' rows and links, logging each delete with its key (for replaying processes).
+
+    The chunks the entries linked are not freed here: pass the returned ids to
+    :func:`.chunkstore.release` once the transaction has added whatever links it adds.
 
     Returns:
-        The entries whose row was still there (others were deleted meanwhile by another process).
+        The entries whose row was still there (others were deleted meanwhile by another process), and
+        the ids of the chunks they linked.
     """
     deleted = []
+    linked: set[bytes] = set()
     for victim in victims:
         cursor = conn.execute(
             "INSERT INTO changes (op, entry_id, namespace, key) "
@@ -183,4 +215,6 @@ def _delete_rows(conn: sqlite3.Connection, victims: list[_Entry]) -> list[_Entry
         if cursor.rowcount:
             conn.execute("DELETE FROM entries WHERE id = ?", (victim.id,))
             deleted.append(victim)
-    return deleted
+        linked.update(row[0] for row in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (victim.id,)))
+        conn.execute("DELETE FROM links WHERE entry_id = ?", (victim.id,))
+    return deleted, linked
