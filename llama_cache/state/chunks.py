@@ -37,6 +37,7 @@ Pure functions, no I/O; shared by every tier that stores chunks.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
@@ -138,6 +139,12 @@ def layout_to_json(layout: KVLayout) -> dict[str, Any]:
         "v_elem_bytes": list(layout.v_elem_bytes),
         "n_embd_v": list(layout.n_embd_v),
     }
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_json(layout: KVLayout) -> dict[str, Any]:
+    """:func:`layout_to_json`, memoized: chunk headers are compared with it (treat as read-only)."""
+    return layout_to_json(layout)
 
 
 _MAX_LAYERS = 4096
@@ -244,12 +251,13 @@ def decode_chunk(
         n_tokens = _field(header, "n_tokens", int)
         fields = (_field(header, "namespace", str), _field(header, "id", str), _field(header, "prev", str),
                   _field(header, "start", int))
-        found_layout = layout_from_json(header["layout"])
+        found_layout = header["layout"]
     except (KeyError, TypeError) as error:
         raise CorruptStateError(f"bad chunk header: {error}") from None
     if fields != (namespace, ident.hex(), prev.hex(), start):
         raise CorruptStateError("not the expected chunk")
-    if found_layout != layout:
+    # Equal to the JSON of a valid layout, so valid itself: no need to validate it field by field.
+    if found_layout != _layout_json(layout):
         raise CorruptStateError("chunk of another KV layout")
     if not 0 < n_tokens <= MAX_CHUNK_FILE_TOKENS or payload.nbytes != chunk_size(layout, n_tokens):
         raise CorruptStateError("chunk length does not match its header")

@@ -256,15 +256,14 @@ def serialize_segments_into(layout: KVLayout, segments: list[KVSegment], out: By
     _U32X2.pack_into(out, offset, int(layout.v_trans), layout.n_layer)
     offset += 8
     # Rows of K (and of untransposed V) are contiguous per layer, and so is each segment's share of them:
-    # one flat copy per segment and layer keeps the Python work small next to the bytes copied.
+    # one concatenation per layer copies every segment's share in C (states read back from many disk
+    # chunks have a hundred segments or more).
     for i in range(layout.n_layer):
         row = layout.k_row_bytes[i]
         _ROW_HEADER.pack_into(out, offset, layout.k_types[i], row)
         offset += 12
-        for segment in segments:
-            size_k = segment.n_tokens * row
-            out[offset : offset + size_k] = segment.k[i].reshape(-1)
-            offset += size_k
+        _concatenate([segment.k[i] for segment in segments], out[offset : offset + n * row].reshape(n, row), 0)
+        offset += n * row
     for i in range(layout.n_layer):
         if layout.v_trans:
             el, embd = layout.v_elem_bytes[i], layout.n_embd_v[i]
@@ -272,22 +271,23 @@ def serialize_segments_into(layout: KVLayout, segments: list[KVSegment], out: By
             offset += 12
             # Transposed V: one row per embedding dimension, each segment a run of columns.
             target = out[offset : offset + embd * n * el].reshape(embd, n * el)
-            column = 0
-            for segment in segments:
-                width = segment.n_tokens * el
-                target[:, column : column + width] = segment.v[i]
-                column += width
+            _concatenate([segment.v[i] for segment in segments], target, 1)
             offset += embd * n * el
         else:
             row = layout.v_row_bytes[i]
             _ROW_HEADER.pack_into(out, offset, layout.v_types[i], row)
             offset += 12
-            for segment in segments:
-                size_v = segment.n_tokens * row
-                out[offset : offset + size_v] = segment.v[i].reshape(-1)
-                offset += size_v
+            _concatenate([segment.v[i] for segment in segments], out[offset : offset + n * row].reshape(n, row), 0)
+            offset += n * row
     assert offset == size
     return out
+
+
+def _concatenate(parts: list[Bytes], target: Bytes, axis: int) -> None:
+    if len(parts) == 1:
+        target[...] = parts[0]
+    else:
+        np.concatenate(parts, axis=axis, out=target)
 
 
 def canonical_seq_id(data: Bytes, n_tokens: int) -> int | None:

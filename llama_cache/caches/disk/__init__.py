@@ -3,15 +3,38 @@
 Layout of ``cache_dir``::
 
     index.sqlite3 (+ -wal, -shm)   the index (SQLite in WAL mode): entries, a change log, metadata,
-                                    the models of the namespaces
-    data/ab/ab12...ef.llst          one immutable payload file per entry, in the format of
-                                    :mod:`llama_cache.state.format` (optionally zlib-compressed)
+                                    the models of the namespaces, chunks and links
+    data/ab/ab12...ef.llst          immutable files, optionally zlib-compressed: a payload per
+                                    whole-state entry (:mod:`llama_cache.state.format`), a chain
+                                    head per chunked entry and one file per KV chunk
+                                    (:mod:`llama_cache.state.chunks`)
 
-**Write protocol** (diskcache's, see STYLE.md): the payload goes to a new, uniquely named file first
-(``O_EXCL``; ``fsync`` optional); then the metadata is committed in one ``BEGIN IMMEDIATE``
-transaction that also deletes the rows of replaced and evicted entries; their files are unlinked only
-after ``COMMIT``. A crash at any instant therefore leaves either the old index or the new one, both
-naming complete files; at worst an uncommitted file is left behind: an orphan, which the next
+**Chunks.** A transformer state is stored as a chain head (tokens, logits, seed, KV layout) and the
+chunks of its KV: ``chunk_tokens`` tokens each, the last one possibly partial, each identified by a
+chained hash of the namespace, the previous chunk's id and its tokens. Equal prefixes of any two
+entries are the same chunks, stored once: a system prompt shared by many conversations, and every
+earlier turn of a conversation, cost their bytes once however many entries hold them. A store writes
+only the chunks the index does not hold yet (and its head). The ``links`` table lists each chunked
+entry's chunks in order; a chunk's reference count is its number of links, and a chunk is freed in
+the transaction that removes its last link (file unlinked after commit). A partial chunk is absorbed
+when a chunk with the same predecessor extending its tokens is stored (its links move there), so a
+growing conversation keeps one tail per branch. States that cannot be cut (recurrent and hybrid
+memory) and llama-cpp-python's states are stored whole, one payload each; so is everything with
+``chunk_tokens=0``. Reading a chunked entry checks every link against the head (positions,
+predecessors, tokens, the id recomputed from the chunk file's tokens): what the index says can only
+assemble the head's own state. :meth:`LlamaDiskCache.lookup_prefix` reads only the chunks a query
+shares with the entry.
+
+**Indexes of version 2** (whole-state entries only, before chunks) are upgraded in place when opened:
+the chunk tables are added and the old entries stay readable as whole-state entries. An index of a
+newer version than this code reads is refused (:class:`CacheDirectoryError`).
+
+**Write protocol** (diskcache's, see STYLE.md): the payload (or head and new chunks) goes to new,
+uniquely named files first (``O_EXCL``; ``fsync`` optional); then the metadata is committed in one
+``BEGIN IMMEDIATE`` transaction that also deletes the rows of replaced and evicted entries and of the
+chunks they alone used; their files are unlinked only after ``COMMIT``. Should another process free a
+chunk a store counted on before it commits, the store plans and writes again. A crash at any
+instant therefore leaves either the old index or the new one, both naming complete files; at worst an uncommitted file is left behind: an orphan, which the next
 :class:`LlamaDiskCache` opened on the directory removes once it is older than
 ``ORPHAN_GRACE_SECONDS`` (younger ones may be writes in progress), as ``check(fix=True)`` does. Without
 ``fsync`` a power loss can lose recent entries or leave a committed row naming a file whose bytes
@@ -77,9 +100,11 @@ Modules of the package (each states its own contract):
 - :mod:`.view`: the process's in-memory picture of the index, kept in step with the change log;
 - :mod:`.schema`: the SQLite schema and its version, creation and migration, the change-log SQL;
 - :mod:`.rows`: validation of untrusted index rows and the in-memory entry record;
+- :mod:`.chunkstore`: chunk rows, links (reference counts) and their SQL;
+- :mod:`.chunked`: writing a state as chunks and reading a chain back;
 - :mod:`.payloads`: payload files, opened and written safely, mapped or inflated;
 - :mod:`.writer`: the write-behind queue and thread, and the exit and fork hooks;
-- :mod:`.checker`: ``check()``, :class:`CheckReport` and the orphan sweep.
+- :mod:`.checker`: ``check()``, :class:`CheckReport`, ``storage()`` and the orphan sweep.
 """
 
 from __future__ import annotations
