@@ -315,6 +315,11 @@ class Llama(llama_cpp.Llama):
         prompt_len = self._prompt_len
         if self._prompt_logits is not None and 0 < prompt_len < state.n_tokens and state.layout is not None:
             self._pending_prompt_state = (state.tokens[:prompt_len], state.prefix(prompt_len, self._prompt_logits))
+            if isinstance(self.cache, _FailSafeCache):
+                # Inside a completion this is prompt + completion's state, which the cache keeps for
+                # the next turn: a query extending it evaluates its own tokens, so its logits row
+                # (one per entry, 8.5 tokens' KV for the default model) would never be read.
+                return state.without_logits()
         return state
 
     def _snapshot(self) -> LlamaState:

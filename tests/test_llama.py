@@ -275,3 +275,7 @@ def test_the_prompt_state_is_cached_beside_prompt_and_completion() -> None:
     prompt_state = cache[prompt]
     assert prompt_state.logits is not None
     assert cache.cache_size < prompt_state.nbytes * 1.3 + ctypes.sizeof(ctypes.c_float) * llm.n_vocab()
+    # Prompt + completion's state is kept for the next turn, which extends it: no logits row.
+    longer = max(cache.keys(), key=len)
+    assert cache[list(longer)].logits is None
+    assert cache[list(longer)].n_tokens == len(longer)

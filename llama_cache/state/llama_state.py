@@ -274,6 +274,15 @@ class LlamaState:
             segments=tuple(_head_segments(self._segments, n_tokens, self._layout)),
         )._stage_ahead()
 
+    def without_logits(self) -> LlamaState:
+        """This state without its logits row, sharing everything else (no copy)."""
+        if self.logits is None:
+            return self
+        state = LlamaState(self.tokens, None, self.seed, self.fingerprint, layout=self._layout,
+                           segments=self._segments, opaque=self._opaque)
+        state._canonical = self._canonical
+        return state
+
     def extended(
         self,
         shared_tokens: int,
