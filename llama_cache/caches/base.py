@@ -45,6 +45,7 @@ class CacheStats:
         writes: states actually written (a store of a key already held with the same tokens is not
             written again).
         store_errors: states that could not be stored (wrong kind, I/O error); logged, never raised.
+        round_trips: network round trips made (shared tiers; 0 for local ones).
     """
 
     hits: int
@@ -56,6 +57,7 @@ class CacheStats:
     rejected: int
     writes: int = 0
     store_errors: int = 0
+    round_trips: int = 0
 
 
 def check_capacity(capacity_bytes: object) -> int:

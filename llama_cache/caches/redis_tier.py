@@ -1,0 +1,728 @@
+"""LlamaRedisCache: a prompt cache shared by processes and machines through a Redis server or cluster.
+
+It stores transformer states as the content-addressed chunks of :mod:`llama_cache.state.chunks`: equal
+prefixes of any two states are the same chunks, so a system prompt used by a thousand conversations on
+ten machines is stored once.
+
+**Keys** (``ns`` is a 16-hex digest of the model fingerprint, so namespaces never mix)::
+
+    llc:c:<chunk id hex>               a chunk: its encoded bytes (checksummed, self-describing)
+    llc:{ns}:t:<prev id hex>           hash: chunk id hex -> tokens, of the chunks stored after ``prev``
+    llc:{ns}:e:<key digest hex>        hash: head (tokens, logits, seed, layout), chain (ids), size
+    llc:{ns}:lru                       sorted set of entry digests by last use
+    llc:{ns}:refs / llc:{ns}:info      hashes: chunk id -> links; chunk id -> "size:prev"
+    llc:{ns}:bytes, llc:{ns}:clock     unique bytes held; the LRU clock
+    llc:{ns}:meta                      hash: layout, chunk_tokens, seed of the namespace
+
+Chunk keys carry no hash tag, so in a Redis Cluster they spread over every node by id; the keys of a
+namespace's metadata share the tag ``{ns}`` and live on one node, where a Lua script updates them
+atomically.
+
+**A lookup is two pipelined round trips**, whatever the number of entries: the first asks the metadata
+node for the children of every chunk on the query's path (the query's full-chunk ids are computed
+locally from its tokens) and for an entry stored under exactly the query; the longest chain of known
+chunks plus the child sharing most of the query's next tokens is the best prefix. The second fetches
+those chunks (from every node that holds some: one round trip per node in a cluster). Each chunk is
+checked (checksum, id recomputed from its tokens, position, layout) before use: a chunk missing
+(evicted by Redis itself, or freed meanwhile) or damaged makes a shorter hit or a miss, never a
+wrong state. ``stats().round_trips`` counts round trips.
+
+**Stores** write the chunks the metadata does not know yet (pipelined ``SET``), then run one script
+that links the entry to its chain, counts references, and evicts least recently used entries until the
+unique bytes fit ``capacity_bytes``, freeing chunks with their last reference; the client then deletes
+the freed chunks' keys. A client dying between those steps leaves orphan chunks (or, rarely, a chunk
+freed by one client just as another relinked it: a shorter hit); :meth:`LlamaRedisCache.sweep` collects
+both. Redis may also evict keys on its own (``maxmemory`` with an LRU policy): lookups then see shorter
+chains or misses, and ``sweep`` repairs the accounting.
+
+**Failures** (Redis down, slow, restarting, out of memory, refusing authentication): every call is
+bounded by ``timeout`` seconds; a failing lookup is a miss and a failing store is skipped, each logged
+once per outage (at WARNING) and counted in ``stats().store_errors`` and :attr:`errors`; redis-py
+reconnects by itself on the next call. Nothing raises out of a lookup or a store. ``rediss://`` URLs,
+passwords and usernames pass through to redis-py.
+
+What it stores: llama-cache states of transformer models (with a KV layout). Other values (recurrent
+states, llama-cpp-python's own states) are not stored here (counted in ``store_errors``, logged once);
+put a disk tier beside it in a :class:`~llama_cache.caches.tiered.TieredCache` for those.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
+from llama_cache.state.chunks import (
+    ID_BYTES,
+    Head,
+    assemble,
+    chain_ids,
+    decode_chunk,
+    decode_head,
+    default_chunk_tokens,
+    encode_chunk,
+    encode_head,
+    layout_from_json,
+    layout_to_json,
+    pieces,
+)
+from llama_cache.state.fingerprint import model_fingerprint
+from llama_cache.state.format import CorruptStateError
+from llama_cache.state.kv_layout import KVLayout, KVSegment
+from llama_cache.state.llama_state import LlamaState
+from llama_cache.tokens import as_token_array
+
+__all__ = ["LlamaRedisCache"]
+
+logger = logging.getLogger("llama_cache.caches.redis")
+
+_MAX_VALUE = 512 << 20  # Redis's own limit on a string value
+_MAX_TOKENS = 1 << 24
+
+# Links a new entry to its chain, drops the entry it replaces and evicts LRU entries until the unique
+# bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one slot). ARGV: key prefix,
+# entry member, head, capacity, chain length, then per chunk: id hex, size, prev hex, tokens.
+# Returns 1 when the entry itself did not fit (it is then dropped), the ids of the chunks freed and the
+# number of entries evicted.
+_STORE_SCRIPT = """
+local entry, lru, refs, info, bytes, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local prefix, member, head = ARGV[1], ARGV[2], ARGV[3]
+local capacity, n = tonumber(ARGV[4]), tonumber(ARGV[5])
+local freed = {}
+local function release(id)
+  if redis.call('HINCRBY', refs, id, -1) <= 0 then
+    redis.call('HDEL', refs, id)
+    local meta = redis.call('HGET', info, id)
+    if meta then
+      local size, prev = string.match(meta, '^(%d+):(%x*)$')
+      redis.call('HDEL', info, id)
+      redis.call('HDEL', prefix .. 't:' .. (prev or ''), id)
+      redis.call('DECRBY', bytes, tonumber(size or '0'))
+    end
+    freed[#freed + 1] = id
+  end
+end
+local function drop(m)
+  local key = prefix .. 'e:' .. m
+  local record = redis.call('HMGET', key, 'chain', 'size')
+  if record[1] then
+    local chain = record[1]
+    for at = 1, #chain, 32 do release(string.sub(chain, at, at + 31)) end
+    redis.call('DECRBY', bytes, tonumber(record[2] or '0'))
+  end
+  redis.call('DEL', key)
+  redis.call('ZREM', lru, m)
+end
+local ids = {}
+for i = 0, n - 1 do
+  local id, size, prev, tokens = ARGV[6 + 4 * i], ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i]
+  if redis.call('HINCRBY', refs, id, 1) == 1 then
+    redis.call('HSET', info, id, size .. ':' .. prev)
+    redis.call('HSET', prefix .. 't:' .. prev, id, tokens)
+    redis.call('INCRBY', bytes, tonumber(size))
+  end
+  ids[#ids + 1] = id
+end
+drop(member)
+redis.call('HSET', entry, 'head', head, 'chain', table.concat(ids), 'size', #head)
+redis.call('INCRBY', bytes, #head)
+redis.call('ZADD', lru, redis.call('INCR', clock), member)
+local evicted = 0
+while tonumber(redis.call('GET', bytes) or '0') > capacity do
+  local oldest = redis.call('ZRANGE', lru, 0, 0)[1]
+  if not oldest or oldest == member then break end
+  drop(oldest)
+  evicted = evicted + 1
+end
+local over = 0
+if tonumber(redis.call('GET', bytes) or '0') > capacity then
+  drop(member)
+  over = 1
+end
+return {over, freed, evicted}
+"""
+
+
+class LlamaRedisCache(BaseLlamaCache):
+    """A prompt cache in Redis, shared by every process and machine that reaches the server.
+
+    ``cache[query]`` returns the state of the longest prefix of ``query`` whose KV the tier holds, as
+    chunks of any stored entries (it may end inside an entry: chunk-granular), with the logits row
+    when an entry is stored under exactly ``query``; it raises ``KeyError`` when no chunk of the
+    query's first positions is held. ``lookup_prefix`` is the same. Two pipelined round trips per
+    lookup (see the module docstring). Thread-safe.
+
+    Capacity is the unique bytes held (chunk and head values, each once): least recently used entries
+    are evicted until a store fits, chunks freed with their last entry. Redis's own ``maxmemory``
+    may evict more; see :meth:`sweep`.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db`` or ``rediss://...``; several comma-separated
+            ``host:port`` pairs or ``cluster=True`` for a Redis Cluster.
+        capacity_bytes: the byte budget of this cache's namespace.
+        fingerprint: the model namespace lookups answer from (None: bound by
+            ``llama_cache.Llama.set_cache``, or by the first state stored).
+        chunk_tokens: tokens per chunk (None: :func:`~llama_cache.state.chunks.default_chunk_tokens`).
+            Every process sharing a namespace should use the same value.
+        timeout: seconds (finite, > 0) any Redis call may take, connecting included.
+        cluster: use redis-py's cluster client (also chosen by a URL naming several nodes).
+        verify: check each chunk's checksum when read (default).
+        client: an existing ``redis.Redis`` or ``redis.cluster.RedisCluster`` to use instead of ``url``.
+
+    Raises:
+        TypeError, ValueError: a bad argument (nothing is contacted before the first call).
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+        *,
+        fingerprint: str | None = None,
+        chunk_tokens: int | None = None,
+        timeout: float = 1.0,
+        cluster: bool = False,
+        verify: bool = True,
+        client: Any = None,
+    ) -> None:
+        super().__init__(capacity_bytes)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout must be a finite positive number of seconds, got {timeout!r}")
+        if chunk_tokens is not None and (
+            not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or not 0 < chunk_tokens <= 4096
+        ):
+            raise ValueError(f"chunk_tokens must be an int in 1..4096 or None, got {chunk_tokens!r}")
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise TypeError("fingerprint must be a non-empty str or None")
+        if not isinstance(url, str):
+            raise TypeError(f"url must be a str, got {type(url).__name__}")
+        self.url = url
+        self.timeout = float(timeout)
+        self.chunk_tokens = chunk_tokens
+        self.verify = bool(verify)
+        self._fingerprint = fingerprint
+        self._client = client if client is not None else _connect(url, self.timeout, cluster)
+        self._script = self._client.register_script(_STORE_SCRIPT)
+        self._hits = self._misses = self._evictions = self._rejected = 0
+        self._writes = self._store_errors = self._round_trips = 0
+        self.errors = 0
+        """Calls that failed (Redis unreachable, slow, refusing, out of memory, damaged values)."""
+        self._failing: str | None = None  # the kind of failure logged for the current outage
+        self._unstorable_logged = False
+        self._layouts: dict[str, tuple[KVLayout, int, int]] = {}  # ns -> (layout, chunk_tokens, seed)
+
+    # ------------------------------------------------------------------------------ namespaces
+
+    @property
+    def fingerprint(self) -> str | None:
+        return self._fingerprint
+
+    def bind(self, fingerprint: str | llama_cpp.Llama | None, *, model_info: Mapping[str, str] | None = None) -> None:
+        """Answer lookups from the namespace of this fingerprint (or of this loaded model)."""
+        if isinstance(fingerprint, llama_cpp.Llama):
+            own = getattr(fingerprint, "fingerprint", None)
+            fingerprint = own if isinstance(own, str) and own else model_fingerprint(fingerprint)
+        if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint):
+            raise TypeError("fingerprint must be a non-empty str, a llama_cpp.Llama or None")
+        self._fingerprint = fingerprint
+
+    # ------------------------------------------------------------------------------- the mapping
+
+    @property
+    def cache_size(self) -> int:
+        """Unique bytes held in the bound namespace (0 when unbound or unreachable)."""
+        if self._fingerprint is None:
+            return 0
+        value = self._call("size", lambda: self._client.get(_meta_key(self._fingerprint, "bytes")))
+        return max(0, int(value)) if isinstance(value, (bytes, int)) and str(int(value)).lstrip("-").isdigit() else 0
+
+    def __len__(self) -> int:
+        if self._fingerprint is None:
+            return 0
+        count = self._call("len", lambda: self._client.zcard(_meta_key(self._fingerprint, "lru")))
+        return int(count) if isinstance(count, int) else 0
+
+    def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
+        return self.match_length(key) > 0
+
+    def match_length(self, key: Sequence[int]) -> int:
+        """Tokens of ``key`` a lookup would restore (0 on a miss), from metadata alone (one round trip)."""
+        query = as_token_array(key)
+        plan = self._find(query)
+        return 0 if plan is None else plan.length
+
+    def __getitem__(self, key: Sequence[int]) -> Any:
+        query = as_token_array(key)
+        state = self._lookup(query)
+        with self._lock:
+            if state is None:
+                self._misses += 1
+            else:
+                self._hits += 1
+        if state is None:
+            raise KeyError("no cached prefix for this key")
+        return state
+
+    def lookup_prefix(self, key: Sequence[int]) -> Any:
+        """The same as ``cache[key]``: this tier always answers with the shared prefix only."""
+        return self[key]
+
+    def __setitem__(self, key: Sequence[int], value: Any) -> None:
+        """Store a llama-cache transformer state under ``key`` (its tokens, in its model's namespace).
+
+        Never raises for the value or for Redis: failures are logged and counted.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        tokens = as_token_array(key)
+        if not isinstance(value, LlamaState) or value.layout is None or not value.fingerprint:
+            with self._lock:
+                self._store_errors += 1
+                first, self._unstorable_logged = not self._unstorable_logged, True
+            if first:
+                logger.warning("redis cache: only llama-cache transformer states are stored; not a %s", type(value).__name__)
+            return
+        held = np.asarray(value.tokens)
+        shared = min(len(held), len(tokens))
+        if not len(held) or not np.array_equal(held[:shared], tokens[:shared]):
+            # The entry is filed under the tokens the state holds, which must agree with the key.
+            with self._lock:
+                self._store_errors += 1
+            logger.warning("redis cache: the state does not hold the tokens of its key; not stored")
+            return
+        self._store(value)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            hits, misses, rejected = self._hits, self._misses, self._rejected
+            writes, errors, trips, evictions = self._writes, self._store_errors, self._round_trips, self._evictions
+        return CacheStats(
+            hits=hits, misses=misses, entries=len(self), bytes=self.cache_size, capacity_bytes=self.capacity_bytes,
+            evictions=evictions, rejected=rejected, writes=writes, store_errors=errors, round_trips=trips,
+        )
+
+    def clear(self) -> None:
+        """Remove every entry and chunk of the bound namespace (others are untouched)."""
+        if self._fingerprint is None:
+            return
+        ns = _ns(self._fingerprint)
+        pattern = f"llc:{{{ns}}}:*"
+
+        def run() -> None:
+            chunks = [key for key, _ in self._client.hscan_iter(_meta_key(self._fingerprint, "refs"))]
+            keys = list(self._client.scan_iter(match=pattern, count=1000))
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.delete(key)
+            for ident in chunks:
+                pipe.delete(b"llc:c:" + ident)
+            pipe.execute()
+
+        self._call("clear", run)
+
+    def close(self) -> None:
+        """Close the connections (the cache stays usable: redis-py reconnects)."""
+        try:
+            self._client.close()
+        except redis.RedisError:
+            pass
+
+    # -------------------------------------------------------------------------------- lookups
+
+    def _find(self, query: npt.NDArray[np.int32]) -> _Plan | None:
+        """Round trip 1: the longest prefix of ``query`` the namespace's metadata knows chunks for."""
+        fingerprint = self._fingerprint
+        if fingerprint is None or not len(query):
+            return None
+        known = self._layouts.get(fingerprint)
+        size = self.chunk_tokens or (known[1] if known is not None else None)
+
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens", "seed"])
+            pipe.hmget(_entry_key(fingerprint, query), ["head", "chain"])
+            ids = chain_ids(fingerprint, query, size) if size else []
+            for prev in [b"", *ids]:
+                pipe.hgetall(_children_key(fingerprint, prev))
+            return [ids, *pipe.execute()]
+
+        reply = self._call("lookup", run)
+        if reply is None:
+            return None
+        ids, meta, exact, *children = reply
+        info = self._namespace_info(fingerprint, meta)
+        if info is None:
+            return None
+        layout, chunk_tokens, seed = info
+        if size != chunk_tokens:  # first lookup of this process: the chain length was unknown
+            self._layouts[fingerprint] = info
+            return self._find(query) if size is None else None
+        return _walk(fingerprint, query, ids, children, chunk_tokens, layout, seed, exact)
+
+    def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
+        plan = self._find(query)
+        if plan is None or plan.length == 0:
+            return None
+        keys = [b"llc:c:" + ident.hex().encode() for ident, _, _ in plan.chunks]
+
+        def run() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+            return pipe.execute()
+
+        values = self._call("fetch", run)
+        if values is None:
+            return None
+        segments: list[KVSegment] = []
+        covered = 0
+        for (ident, prev, start), value in zip(plan.chunks, values):
+            if not isinstance(value, bytes):
+                logger.info("redis cache: chunk %s is gone (evicted); a shorter hit", ident.hex())
+                break
+            try:
+                tokens, segment = decode_chunk(value, namespace=plan.fingerprint, ident=ident, prev=prev, start=start,
+                                               layout=plan.layout, verify=self.verify)
+            except CorruptStateError as error:
+                self._note_damage(ident, str(error))
+                break
+            expected = query[start : start + len(tokens)]
+            usable = min(len(tokens), plan.length - start)
+            if not np.array_equal(tokens[:usable], expected[:usable]):
+                self._note_damage(ident, "chunk holds other tokens than the query's")
+                break
+            segments.append(segment)
+            covered = start + usable
+        if covered == 0:
+            return None
+        head = plan.head if covered == plan.length else None
+        source = Head(plan.fingerprint, plan.seed, np.array(query[:covered], dtype=np.int32),
+                      head.logits if head is not None else None, plan.chunk_tokens, plan.layout)
+        return assemble(source, segments, covered)
+
+    def _note_damage(self, ident: bytes, reason: str) -> None:
+        with self._lock:
+            self.errors += 1
+        logger.warning("redis cache: chunk %s is damaged (%s); a shorter hit", ident.hex(), reason)
+
+    def _namespace_info(self, fingerprint: str, meta: Any) -> tuple[KVLayout, int, int] | None:
+        known = self._layouts.get(fingerprint)
+        if known is not None:
+            return known
+        try:
+            layout_json, chunk_tokens, seed = meta
+            if layout_json is None:
+                return None
+            layout = layout_from_json(json.loads(layout_json))
+            info = (layout, int(chunk_tokens), int(seed))
+        except (ValueError, TypeError, CorruptStateError) as error:
+            logger.warning("redis cache: damaged namespace record (%s); a miss", error)
+            return None
+        if not 0 < info[1] <= 4096:
+            return None
+        return info
+
+    # --------------------------------------------------------------------------------- stores
+
+    def _store(self, state: LlamaState) -> None:
+        fingerprint = state.fingerprint
+        layout = state.layout
+        assert layout is not None
+        known = self._layouts.get(fingerprint)
+        chunk_tokens = self.chunk_tokens or (known[1] if known is not None else default_chunk_tokens(layout))
+        tokens = np.asarray(state.tokens, dtype=np.int32)
+        if len(tokens) > _MAX_TOKENS:
+            return
+        chain = pieces(fingerprint, tokens, chunk_tokens)
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint
+
+        def present() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.hsetnx(_meta_key(fingerprint, "meta"), "layout", json.dumps(layout_to_json(layout), sort_keys=True))
+            pipe.hsetnx(_meta_key(fingerprint, "meta"), "chunk_tokens", chunk_tokens)
+            pipe.hsetnx(_meta_key(fingerprint, "meta"), "seed", int(state.seed))
+            for piece in chain:
+                pipe.hget(_children_key(fingerprint, piece.prev), piece.id.hex())
+            pipe.hgetall(_children_key(fingerprint, chain[-1].prev))
+            return pipe.execute()
+
+        reply = self._call("store", present, store=True)
+        if reply is None:
+            return
+        known_ids = {piece.id for piece, found in zip(chain, reply[3:-1]) if found is not None}
+        ids = [piece.id for piece in chain]
+        last = chain[-1]
+        if last.n_tokens < chunk_tokens and last.id not in known_ids:
+            longer = _extending(reply[-1], last.tokens)
+            if longer is not None:
+                ids[-1] = longer[0]
+                known_ids.add(longer[0])
+        values: dict[bytes, bytes] = {}
+        for piece in chain:
+            if piece.id not in known_ids and piece.id in ids:
+                values[piece.id] = b"".join(encode_chunk(fingerprint, piece, layout, state.segments))
+        sizes = {piece.id: len(values[piece.id]) if piece.id in values else 0 for piece in chain}
+        head = b"".join(encode_head(state, chunk_tokens))
+        args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids)]
+        by_id = {piece.id: piece for piece in chain}
+        for ident in ids:
+            piece = by_id.get(ident)
+            if piece is not None:
+                args += [ident.hex(), sizes[ident], piece.prev.hex(), piece.tokens.astype("<i4").tobytes()]
+            else:  # an existing longer chunk: already registered, its size already counted
+                args += [ident.hex(), 0, last.prev.hex(), b""]
+
+        def write() -> Any:
+            if values:
+                pipe = self._client.pipeline(transaction=False)
+                for ident, value in values.items():
+                    pipe.set(b"llc:c:" + ident.hex().encode(), value)
+                pipe.execute()
+            keys = [_entry_key(fingerprint, tokens), *(_meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
+            return self._script(keys=keys, args=args)
+
+        result = self._call("store", write, store=True, trips=2 if values else 1)
+        if result is None:
+            return
+        over, freed, evicted = result
+        if freed:
+            self._call("store", lambda: self._client.delete(*[b"llc:c:" + ident for ident in freed]), store=True)
+        with self._lock:
+            self._evictions += int(evicted)
+            if int(over):
+                self._rejected += 1
+            else:
+                self._writes += 1
+
+    # --------------------------------------------------------------------------------- upkeep
+
+    def sweep(self, grace_seconds: float = 60.0) -> int:
+        """Collect what clients that died mid-store and Redis's own evictions leave behind.
+
+        In the bound namespace: drops entries whose record or chunks are gone, rebuilds the reference
+        counts, chunk registrations and byte count from the entries that remain, and deletes chunk keys
+        of the namespace no entry links and idle for ``grace_seconds`` (younger ones may belong to a
+        store in progress). Scans keys (``SCAN``): run it now and then, not per request. Concurrent
+        stores may be counted wrong until the next sweep; never raises for Redis failures.
+
+        Returns:
+            The number of keys deleted (0 when Redis is unreachable).
+        """
+        fingerprint = self._fingerprint
+        if fingerprint is None:
+            return 0
+        result = self._call("sweep", lambda: _sweep(self._client, fingerprint, grace_seconds))
+        if result:
+            logger.info("redis cache: sweep removed %d keys", result)
+        return int(result or 0)
+
+    # ------------------------------------------------------------------------------ the client
+
+    def _call(self, what: str, run: Any, *, store: bool = False, trips: int = 1) -> Any:
+        """Run ``run()`` against Redis; on failure log once per outage, count, and return None."""
+        try:
+            result = run()
+        except (redis.RedisError, OSError) as error:
+            with self._lock:
+                self.errors += 1
+                if store:
+                    self._store_errors += 1
+                kind = type(error).__name__
+                first = self._failing is None
+                self._failing = kind
+            if first:
+                logger.warning("redis cache: %s failed (%s: %s); misses until Redis answers again", what, kind, error)
+            return None
+        with self._lock:
+            self._round_trips += trips
+            recovered = self._failing is not None
+            self._failing = None
+        if recovered:
+            logger.warning("redis cache: Redis answers again")
+        return result
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r}, capacity_bytes={self.capacity_bytes})"
+
+
+class _Plan:
+    """The best prefix of a query the metadata knows: its chunks (id, prev, start) and length."""
+
+    __slots__ = ("fingerprint", "chunks", "length", "layout", "chunk_tokens", "seed", "head")
+
+    def __init__(self, fingerprint: str, chunks: list[tuple[bytes, bytes, int]], length: int, layout: KVLayout,
+                 chunk_tokens: int, seed: int, head: Head | None) -> None:
+        self.fingerprint = fingerprint
+        self.chunks = chunks
+        self.length = length
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.seed = seed
+        self.head = head
+
+
+def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], children: list[Any], chunk_tokens: int,
+          layout: KVLayout, seed: int, exact: Any) -> _Plan:
+    """The longest chain of known chunks on the query's path, then the child sharing most of the rest."""
+    chunks: list[tuple[bytes, bytes, int]] = []
+    prev = b""
+    position = 0
+    for k, ident in enumerate(ids):
+        if not isinstance(children[k], dict) or ident.hex().encode() not in children[k]:
+            break
+        chunks.append((ident, prev, k * chunk_tokens))
+        prev = ident
+        position = (k + 1) * chunk_tokens
+    rest = query[position : position + chunk_tokens]
+    best, shared = None, 0
+    if len(rest) and len(children) > len(chunks) and isinstance(children[len(chunks)], dict):
+        for name, blob in children[len(chunks)].items():
+            if not isinstance(blob, bytes) or len(blob) % 4 or not blob:
+                continue
+            held = np.frombuffer(blob, dtype="<i4")
+            n = min(len(held), len(rest))
+            differs = np.flatnonzero(held[:n] != rest[:n])
+            common = int(differs[0]) if len(differs) else n
+            if common > shared:
+                try:
+                    best, shared = bytes.fromhex(name.decode()), common
+                except ValueError:
+                    continue
+    if best is not None and len(best) == ID_BYTES:
+        chunks.append((best, prev, position))
+        position += shared
+    head = None
+    if position == len(query) and isinstance(exact, list) and isinstance(exact[0], bytes):
+        try:
+            decoded = decode_head(exact[0])
+            if decoded.fingerprint == fingerprint and np.array_equal(decoded.tokens, query) and decoded.layout == layout:
+                head = decoded
+        except CorruptStateError:
+            head = None
+    return _Plan(fingerprint, chunks, position, layout, chunk_tokens, head.seed if head is not None else seed, head)
+
+
+def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
+    """The work of :meth:`LlamaRedisCache.sweep`; raises redis-py's errors."""
+    prefix = _prefix(fingerprint)
+    removed = 0
+    members = client.zrange(prefix + "lru", 0, -1)
+    linked: dict[bytes, int] = {}
+    total = 0
+    for member in members:
+        key = prefix + "e:" + member.decode()
+        chain, size = client.hmget(key, ["chain", "size"])
+        ids = [chain[at : at + 32] for at in range(0, len(chain), 32)] if isinstance(chain, bytes) else []
+        pipe = client.pipeline(transaction=False)
+        for ident in ids:
+            pipe.exists(b"llc:c:" + ident)
+        present = pipe.execute() if ids else []
+        if not ids or not all(present) or not isinstance(size, bytes) or not size.isdigit():
+            client.delete(key)
+            client.zrem(prefix + "lru", member)
+            removed += 1
+            continue
+        for ident in ids:
+            linked[ident] = linked.get(ident, 0) + 1
+        total += int(size)
+    info = client.hgetall(prefix + "info")
+    sizes: dict[bytes, int] = {}
+    for ident, meta in info.items():
+        size, _, prev = meta.partition(b":")
+        if ident not in linked:
+            client.hdel(prefix + "info", ident)
+            client.hdel(prefix + "t:" + prev.decode(errors="replace"), ident)
+            removed += client.delete(b"llc:c:" + ident)
+        elif size.isdigit():
+            sizes[ident] = int(size)
+    client.delete(prefix + "refs")
+    if linked:
+        client.hset(prefix + "refs", mapping={ident: count for ident, count in linked.items()})
+    client.set(prefix + "bytes", total + sum(sizes.values()))
+    # Chunk keys of this namespace that no registration names (a client died before its script ran).
+    for key in client.scan_iter(match=b"llc:c:*", count=1000):
+        ident = key[len(b"llc:c:") :]
+        if ident in linked:
+            continue
+        header = client.getrange(key, 0, 4095)
+        if f'"namespace": {json.dumps(fingerprint)}'.encode() not in header:
+            continue
+        idle = client.object("idletime", key)
+        if isinstance(idle, int) and idle >= grace_seconds:
+            removed += client.delete(key)
+    return removed
+
+
+def _extending(children: Any, tokens: npt.NDArray[np.int32]) -> tuple[bytes, int] | None:
+    """A known chunk among ``children`` whose tokens start with ``tokens`` (the longest)."""
+    if not isinstance(children, dict):
+        return None
+    best: tuple[bytes, int] | None = None
+    for name, blob in children.items():
+        if not isinstance(blob, bytes) or len(blob) % 4 or len(blob) // 4 < len(tokens):
+            continue
+        held = np.frombuffer(blob, dtype="<i4")
+        if np.array_equal(held[: len(tokens)], tokens) and (best is None or len(held) > best[1]):
+            try:
+                best = (bytes.fromhex(name.decode()), len(held))
+            except ValueError:
+                continue
+    return best
+
+
+def _ns(fingerprint: str) -> str:
+    return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
+
+
+def _prefix(fingerprint: str) -> str:
+    return f"llc:{{{_ns(fingerprint)}}}:"
+
+
+def _meta_key(fingerprint: str, name: str) -> str:
+    return _prefix(fingerprint) + name
+
+
+def _children_key(fingerprint: str, prev: bytes) -> str:
+    return _prefix(fingerprint) + "t:" + prev.hex()
+
+
+def _digest(tokens: npt.NDArray[np.int32]) -> bytes:
+    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=16).digest()
+
+
+def _entry_key(fingerprint: str, tokens: npt.NDArray[np.int32]) -> str:
+    return _prefix(fingerprint) + "e:" + _digest(tokens).hex()
+
+
+def _connect(url: str, timeout: float, cluster: bool) -> Any:
+    """A redis-py client for ``url`` with every call bounded by ``timeout`` and no retries."""
+    options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
+                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    if cluster or "," in url.split("://", 1)[-1]:
+        nodes = url.split("://", 1)[-1].split("/", 1)[0].split(",")
+        if len(nodes) > 1:
+            startup = [redis.cluster.ClusterNode(*_host_port(node)) for node in nodes]
+            scheme = url.split("://", 1)[0]
+            return redis.cluster.RedisCluster(startup_nodes=startup, ssl=scheme == "rediss", **options)
+        return redis.cluster.RedisCluster.from_url(url, **options)
+    return redis.Redis.from_url(url, **options)
+
+
+def _host_port(node: str) -> tuple[str, int]:
+    host, _, port = node.rpartition(":")
+    return host or "127.0.0.1", int(port or 6379)
