@@ -1,7 +1,8 @@
 """The contract every prefix cache keeps, as a mixin run by each tier's test module.
 
 A tier's test module subclasses :class:`CacheContract`, says which lookup policy it has
-(``longest_common_prefix`` or ``whole_key_prefix``) and provides ``make_cache(capacity_bytes)`` and
+(``longest_common_prefix``, ``whole_key_prefix``, or ``shared_prefix``: the longest common prefix with
+any stored key, returned cut to that prefix, as the chunk-addressed Redis tier answers) and provides ``make_cache(capacity_bytes)`` and
 ``make_state(tokens, nbytes)``. ``make_state`` must return a value the tier can store whose charged size
 is ``size_of(state)``; in-memory tiers use :class:`SizedState`, persistent ones real states.
 """
@@ -24,7 +25,7 @@ class SizedState:
 
 
 class CacheContract:
-    policy: str = "longest_common_prefix"  # or "whole_key_prefix"
+    policy: str = "longest_common_prefix"  # or "whole_key_prefix", "shared_prefix"
 
     def make_cache(self, capacity_bytes: int) -> Any:
         raise NotImplementedError
@@ -62,7 +63,7 @@ class CacheContract:
         cache[[1, 2, 3, 4]] = self.make_state([1, 2, 3, 4])
         cache[[9, 9]] = self.make_state([9, 9])
         assert self.tokens_of(cache[[1, 2, 3, 4, 5, 6]]) == (1, 2, 3, 4)
-        if self.policy == "whole_key_prefix":
+        if self.policy in ("whole_key_prefix", "shared_prefix"):
             assert self.tokens_of(cache[[1, 2, 7]]) == (1, 2)
         else:
             # Both keys share (1, 2) with the query: the tie goes to the most recently used.
@@ -76,6 +77,10 @@ class CacheContract:
             # returned untruncated.
             assert self.tokens_of(cache[[5, 6, 0]]) == (5, 6, 7, 8)
             assert self.tokens_of(cache[[5]]) == (5, 6, 7, 8)
+            assert [5, 6, 0] in cache
+        elif self.policy == "shared_prefix":
+            assert self.tokens_of(cache[[5, 6, 0]]) == (5, 6)
+            assert self.tokens_of(cache[[5]]) == (5,)
             assert [5, 6, 0] in cache
         else:
             with pytest.raises(KeyError):
@@ -105,6 +110,8 @@ class CacheContract:
             assert self.tokens_of(cache[[1, 2, 9]]) == (1, 2, 4)
             cache[[1, 2, 3]]
             assert self.tokens_of(cache[[1, 2, 9]]) == (1, 2, 3)
+        elif self.policy == "shared_prefix":
+            assert self.tokens_of(cache[[1, 2, 9]]) == (1, 2)
         else:
             # Neither key prefixes the query: no tie to break, a miss.
             with pytest.raises(KeyError):

@@ -48,6 +48,7 @@ put a disk tier beside it in a :class:`~llama_cache.caches.tiered.TieredCache` f
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -140,6 +141,16 @@ drop(member)
 redis.call('HSET', entry, 'head', head, 'chain', table.concat(ids), 'size', #head)
 redis.call('INCRBY', bytes, #head)
 redis.call('ZADD', lru, redis.call('INCR', clock), member)
+-- An entry larger than the whole capacity evicts nothing: it is dropped at once.
+local own = #head
+for _, id in ipairs(ids) do
+  local size = string.match(redis.call('HGET', info, id) or '', '^(%d+):')
+  own = own + tonumber(size or '0')
+end
+if own > capacity then
+  drop(member)
+  return {1, freed, 0}
+end
 local evicted = 0
 while tonumber(redis.call('GET', bytes) or '0') > capacity do
   local oldest = redis.call('ZRANGE', lru, 0, 0)[1]
@@ -156,6 +167,15 @@ return {over, freed, evicted}
 """
 
 
+# Makes an entry the most recently used, if it still exists. KEYS: lru, clock. ARGV: entry member.
+_TOUCH_SCRIPT = """
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+  redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[2]), ARGV[1])
+end
+return 0
+"""
+
+
 class LlamaRedisCache(BaseLlamaCache):
     """A prompt cache in Redis, shared by every process and machine that reaches the server.
 
@@ -163,7 +183,8 @@ class LlamaRedisCache(BaseLlamaCache):
     chunks of any stored entries (it may end inside an entry: chunk-granular), with the logits row
     when an entry is stored under exactly ``query``; it raises ``KeyError`` when no chunk of the
     query's first positions is held. ``lookup_prefix`` is the same. Two pipelined round trips per
-    lookup (see the module docstring). Thread-safe.
+    lookup (see the module docstring). Such a hit makes the entry stored under exactly the query the
+    most recently used; chunks shared with other entries live as long as any of them. Thread-safe.
 
     Capacity is the unique bytes held (chunk and head values, each once): least recently used entries
     are evicted until a store fits, chunks freed with their last entry. Redis's own ``maxmemory``
@@ -216,6 +237,7 @@ class LlamaRedisCache(BaseLlamaCache):
         self._fingerprint = fingerprint
         self._client = client if client is not None else _connect(url, self.timeout, cluster)
         self._script = self._client.register_script(_STORE_SCRIPT)
+        self._touch = self._client.register_script(_TOUCH_SCRIPT)
         self._hits = self._misses = self._evictions = self._rejected = 0
         self._writes = self._store_errors = self._round_trips = 0
         self.errors = 0
@@ -246,8 +268,8 @@ class LlamaRedisCache(BaseLlamaCache):
         """Unique bytes held in the bound namespace (0 when unbound or unreachable)."""
         if self._fingerprint is None:
             return 0
-        value = self._call("size", lambda: self._client.get(_meta_key(self._fingerprint, "bytes")))
-        return max(0, int(value)) if isinstance(value, (bytes, int)) and str(int(value)).lstrip("-").isdigit() else 0
+        fingerprint = self._fingerprint
+        return _as_count(self._call("size", lambda: self._client.get(_meta_key(fingerprint, "bytes"))))
 
     def __len__(self) -> int:
         if self._fingerprint is None:
@@ -307,13 +329,25 @@ class LlamaRedisCache(BaseLlamaCache):
         self._store(value)
 
     def stats(self) -> CacheStats:
+        """This instance's counters; the namespace's entries and bytes (one round trip, counted)."""
+        entries = size = 0
+        fingerprint = self._fingerprint
+        if fingerprint is not None:
+            def run() -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.zcard(_meta_key(fingerprint, "lru"))
+                pipe.get(_meta_key(fingerprint, "bytes"))
+                return pipe.execute()
+
+            reply = self._call("stats", run)
+            if reply is not None:
+                entries, size = int(reply[0]), _as_count(reply[1])
         with self._lock:
-            hits, misses, rejected = self._hits, self._misses, self._rejected
-            writes, errors, trips, evictions = self._writes, self._store_errors, self._round_trips, self._evictions
-        return CacheStats(
-            hits=hits, misses=misses, entries=len(self), bytes=self.cache_size, capacity_bytes=self.capacity_bytes,
-            evictions=evictions, rejected=rejected, writes=writes, store_errors=errors, round_trips=trips,
-        )
+            return CacheStats(
+                hits=self._hits, misses=self._misses, entries=entries, bytes=size, capacity_bytes=self.capacity_bytes,
+                evictions=self._evictions, rejected=self._rejected, writes=self._writes,
+                store_errors=self._store_errors, round_trips=self._round_trips,
+            )
 
     def clear(self) -> None:
         """Remove every entry and chunk of the bound namespace (others are untouched)."""
@@ -364,13 +398,15 @@ class LlamaRedisCache(BaseLlamaCache):
         if reply is None:
             return None
         ids, meta, exact, *children = reply
-        info = self._namespace_info(fingerprint, meta)
+        info = self._namespace_info(meta)
         if info is None:
             return None
+        self._layouts[fingerprint] = info
         layout, chunk_tokens, seed = info
-        if size != chunk_tokens:  # first lookup of this process: the chain length was unknown
-            self._layouts[fingerprint] = info
-            return self._find(query) if size is None else None
+        if size != chunk_tokens:
+            # The first lookup of this process (the chain length was unknown), or the namespace was
+            # recreated meanwhile (Redis restarted): once more with the recorded length.
+            return self._find(query) if size is None or self.chunk_tokens is None else None
         return _walk(fingerprint, query, ids, children, chunk_tokens, layout, seed, exact)
 
     def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
@@ -383,7 +419,10 @@ class LlamaRedisCache(BaseLlamaCache):
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(key)
-            return pipe.execute()
+            if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
+                lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
+                self._touch(keys=[lru, clock], args=[_digest(query).hex()], client=pipe)
+            return pipe.execute()[: len(keys)]
 
         values = self._call("fetch", run)
         if values is None:
@@ -419,15 +458,14 @@ class LlamaRedisCache(BaseLlamaCache):
             self.errors += 1
         logger.warning("redis cache: chunk %s is damaged (%s); a shorter hit", ident.hex(), reason)
 
-    def _namespace_info(self, fingerprint: str, meta: Any) -> tuple[KVLayout, int, int] | None:
-        known = self._layouts.get(fingerprint)
-        if known is not None:
-            return known
+    @staticmethod
+    def _namespace_info(meta: Any) -> tuple[KVLayout, int, int] | None:
+        """The namespace record (layout, chunk length, seed), validated; None if absent or damaged."""
         try:
             layout_json, chunk_tokens, seed = meta
             if layout_json is None:
                 return None
-            layout = layout_from_json(json.loads(layout_json))
+            layout = _parse_layout(layout_json)
             info = (layout, int(chunk_tokens), int(seed))
         except (ValueError, TypeError, CorruptStateError) as error:
             logger.warning("redis cache: damaged namespace record (%s); a miss", error)
@@ -451,18 +489,28 @@ class LlamaRedisCache(BaseLlamaCache):
         if self._fingerprint is None:
             self._fingerprint = fingerprint
 
+        layout_json = json.dumps(layout_to_json(layout), sort_keys=True)
+
         def present() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
-            pipe.hsetnx(_meta_key(fingerprint, "meta"), "layout", json.dumps(layout_to_json(layout), sort_keys=True))
+            pipe.hsetnx(_meta_key(fingerprint, "meta"), "layout", layout_json)
             pipe.hsetnx(_meta_key(fingerprint, "meta"), "chunk_tokens", chunk_tokens)
             pipe.hsetnx(_meta_key(fingerprint, "meta"), "seed", int(state.seed))
             for piece in chain:
                 pipe.hget(_children_key(fingerprint, piece.prev), piece.id.hex())
             pipe.hgetall(_children_key(fingerprint, chain[-1].prev))
+            pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens"])
             return pipe.execute()
 
         reply = self._call("store", present, store=True)
         if reply is None:
+            return
+        recorded = reply.pop()
+        if recorded != [layout_json.encode(), str(chunk_tokens).encode()]:
+            # One fingerprint has one KV layout; chunks of another length would never be found.
+            with self._lock:
+                self._store_errors += 1
+            logger.warning("redis cache: the namespace holds another KV layout or chunk length; not stored")
             return
         known_ids = {piece.id for piece, found in zip(chain, reply[3:-1]) if found is not None}
         ids = [piece.id for piece in chain]
@@ -685,6 +733,20 @@ def _extending(children: Any, tokens: npt.NDArray[np.int32]) -> tuple[bytes, int
     return best
 
 
+@functools.lru_cache(maxsize=64)
+def _parse_layout(text: bytes) -> KVLayout:
+    """A namespace record's layout, parsed and validated once per distinct text."""
+    return layout_from_json(json.loads(text))
+
+
+def _as_count(value: Any) -> int:
+    """A non-negative count read from Redis (anything else: 0)."""
+    try:
+        return max(0, int(value))
+    except (TypeError, ValueError):
+        return 0
+
+
 def _ns(fingerprint: str) -> str:
     return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
 
@@ -710,9 +772,13 @@ def _entry_key(fingerprint: str, tokens: npt.NDArray[np.int32]) -> str:
 
 
 def _connect(url: str, timeout: float, cluster: bool) -> Any:
-    """A redis-py client for ``url`` with every call bounded by ``timeout`` and no retries."""
-    options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
-                                   retry=Retry(NoBackoff(), 0), health_check_interval=0)
+    """A redis-py client for ``url`` with every call bounded by ``timeout``.
+
+    A call whose connection turns out broken (the server restarted) is retried once on a new
+    connection; a call that times out is not retried.
+    """
+    retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
+    options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
     if cluster or "," in url.split("://", 1)[-1]:
         nodes = url.split("://", 1)[-1].split("/", 1)[0].split(",")
         if len(nodes) > 1:

@@ -1,0 +1,376 @@
+"""LlamaRedisCache against real redis-server processes on loopback (started here, never mocked)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+from llama_cache.caches.redis_tier import LlamaRedisCache
+from llama_cache.state.chunks import default_chunk_tokens, encode_chunk, encode_head, pieces
+from llama_cache.state.llama_state import LlamaState
+from llama_cache.testing.redis_server import RedisCluster, RedisServer, redis_available
+from tests.cache_contract import CacheContract
+from tests.test_disk_cache import make_cut_state
+
+pytestmark = pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with RedisServer() as running:
+        yield running
+
+
+@pytest.fixture
+def fresh(server: RedisServer) -> RedisServer:
+    """The module's server, emptied."""
+    server.start()
+    server.cli("flushall")
+    return server
+
+
+def fixed_state(tokens: Sequence[int], nbytes: int = 1000, fingerprint: str = "test", logits: bool = False) -> LlamaState:
+    """A transformer state of one KV layout (as every state of one model has), ``nbytes`` made up by
+    its logits row (so that sizes vary as the contract needs while the layout does not)."""
+    tokens = list(tokens)
+    kv = make_cut_state(tokens or [0], 64 * max(len(tokens), 1), fingerprint=fingerprint)
+    row = make_cut_state([0], 64, fingerprint=fingerprint)
+    assert kv.layout == row.layout or not tokens
+    width = max(1, (nbytes - 64 * len(tokens)) // 4) if logits or nbytes > 64 * len(tokens) else 0
+    values = np.arange(width, dtype=np.float32) + len(tokens) if width else None
+    return LlamaState(np.array(tokens, dtype=np.int32), values, 0, fingerprint, layout=kv.layout,
+                      segments=kv.segments)
+
+
+def redis_size(state: LlamaState) -> int:
+    """Bytes a state takes in an empty Redis tier: its head and its chunks."""
+    assert state.layout is not None
+    size = default_chunk_tokens(state.layout)
+    chain = pieces(state.fingerprint, state.tokens, size)
+    head = sum(part.nbytes for part in encode_head(state, size))
+    return head + sum(sum(p.nbytes for p in encode_chunk(state.fingerprint, piece, state.layout, state.segments)) for piece in chain)
+
+
+class TestRedisContract(CacheContract):
+    policy = "shared_prefix"
+
+    @pytest.fixture(autouse=True)
+    def _server(self, fresh: RedisServer) -> None:
+        self._url = fresh.url
+
+    def make_cache(self, capacity_bytes: int) -> Any:
+        return LlamaRedisCache(self._url, capacity_bytes, fingerprint="test")
+
+    def make_state(self, tokens: Sequence[int], nbytes: int = 1000) -> Any:
+        return fixed_state(tokens, nbytes)
+
+    def size_of(self, state: Any) -> int:
+        return redis_size(state)
+
+    def tokens_of(self, state: Any) -> tuple[int, ...]:
+        return tuple(state.tokens.tolist())
+
+    def test_replacing_a_key_never_overcounts(self) -> None:
+        # The chunks of a key are content-addressed: a new state for the same tokens reuses them, and
+        # replacing an entry only swaps its head.
+        cache = self.make_cache(10**6)
+        first = make_cut_state([1, 2], 3000)
+        cache[[1, 2]] = first
+        size_one = cache.cache_size
+        assert size_one == redis_size(first)
+        for _ in range(3):
+            cache[[1, 2]] = make_cut_state([1, 2], 3000, logits=True)
+        assert len(cache) == 1
+        assert cache.cache_size == redis_size(make_cut_state([1, 2], 3000, logits=True))
+        assert cache[[1, 2]].logits is not None
+
+    def test_empty_key_and_query(self) -> None:
+        cache = self.make_cache(10**6)
+        cache[[1]] = self.make_state([1])
+        with pytest.raises(KeyError):
+            cache[[]]
+
+
+# -- what comes back --------------------------------------------------------------------------------
+
+
+def test_hits_return_the_stored_bytes_cut_to_the_shared_prefix(fresh: RedisServer) -> None:
+    cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
+    state = make_cut_state(range(100), 100 * 400, logits=True)
+    cache[range(100)] = state
+    exact = cache[range(100)]
+    assert np.array_equal(exact.seq_bytes(), state.seq_bytes()) and np.array_equal(exact.logits, state.logits)
+    longer = cache[[*range(100), 7, 7]]
+    assert longer.n_tokens == 100 and longer.logits is None
+    diverging = cache[[*range(37), 999]]  # mid-chunk, where no entry ends
+    assert diverging.n_tokens == 37 and diverging.logits is None
+    assert np.array_equal(diverging.seq_bytes(), state.prefix(37, None).seq_bytes())
+    assert cache.match_length([*range(37), 999]) == 37
+
+
+def test_a_shared_prefix_is_stored_once(fresh: RedisServer) -> None:
+    cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
+    base = make_cut_state(range(64), 64 * 400)
+    cache[range(64)] = base
+    one = cache.cache_size
+    for k in range(5):
+        tokens = [*range(64), 1000 + k]
+        # The same KV for the shared 64 tokens (a real model makes it so); one new token each.
+        grown = LlamaState(np.array(tokens, dtype=np.int32), None, 0, "test", layout=base.layout,
+                           segments=(*base.segments, make_cut_state([1000 + k], 400).segments[0]))
+        cache[tokens] = grown
+    added = cache.cache_size - one
+    assert 0 < added < one  # five entries cost less than the one they extend: chunks shared
+
+
+def test_lookups_take_two_round_trips_whatever_the_number_of_entries(fresh: RedisServer) -> None:
+    cache = LlamaRedisCache(fresh.url, 10**9, fingerprint="test", chunk_tokens=8)
+    trips = []
+    for count in (10, 300):
+        for i in range(len(cache), count):
+            cache[[i, i, i]] = make_cut_state([i, i, i], 120)
+        cache[[0, 0, 0, 5]]  # warm: the namespace record is read once per process
+        before = cache.stats().round_trips
+        cache[[count - 1, count - 1, count - 1, 5]]
+        trips.append(cache.stats().round_trips - before - 1)  # the second stats() takes one
+    assert trips[0] == trips[1] == 2
+
+
+def test_models_never_see_each_others_states(fresh: RedisServer) -> None:
+    mine = LlamaRedisCache(fresh.url, 10**8, fingerprint="model-a")
+    theirs = LlamaRedisCache(fresh.url, 10**8, fingerprint="model-b")
+    theirs[[1, 2, 3]] = make_cut_state([1, 2, 3], 1200, fingerprint="model-b")
+    with pytest.raises(KeyError):
+        mine[[1, 2, 3]]
+    mine[[1, 2, 3]] = make_cut_state([1, 2, 3], 1200, fingerprint="model-a")
+    assert mine[[1, 2, 3]].fingerprint == "model-a" and theirs[[1, 2, 3]].fingerprint == "model-b"
+
+
+def test_values_that_are_not_transformer_states_are_counted_not_stored(fresh: RedisServer) -> None:
+    from tests.test_disk_cache import make_state
+
+    cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test")
+    cache[[1, 2]] = make_state([1, 2])  # opaque (recurrent) state
+    cache[[3]] = "not a state"
+    assert len(cache) == 0 and cache.stats().store_errors == 2
+
+
+# -- damage, eviction, sweeping -------------------------------------------------------------------
+
+
+def _chunk_keys(server: RedisServer) -> list[str]:
+    return [key for key in server.cli("--scan", "--pattern", "llc:c:*").split() if key]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "swap"])
+def test_damaged_chunks_give_shorter_hits_or_misses_never_wrong_bytes(fresh: RedisServer, damage: str) -> None:
+    import redis
+
+    cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
+    state = make_cut_state(range(64), 64 * 400, logits=True)
+    cache[range(64)] = state
+    other = make_cut_state(range(500, 564), 64 * 400)
+    cache[range(500, 564)] = other
+    client = redis.Redis.from_url(fresh.url)
+    ids = [piece.id for piece in pieces("test", state.tokens, 8)]
+    target = b"llc:c:" + ids[4].hex().encode()  # the fifth chunk: positions 32..39
+    value = client.get(target)
+    if damage == "flip":
+        client.set(target, value[:-1] + bytes([value[-1] ^ 0xFF]))
+    elif damage == "truncate":
+        client.set(target, value[: len(value) // 2])
+    elif damage == "delete":
+        client.delete(target)
+    else:
+        client.set(target, client.get(b"llc:c:" + pieces("test", other.tokens, 8)[4].id.hex().encode()))
+    found = cache[range(64)]
+    assert found.n_tokens == 32 and found.logits is None
+    assert np.array_equal(found.seq_bytes(), state.prefix(32, None).seq_bytes())
+
+
+def test_redis_evicting_on_its_own_never_gives_a_wrong_state() -> None:
+    with RedisServer(args=["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"]) as small:
+        cache = LlamaRedisCache(small.url, 10**9, fingerprint="test", chunk_tokens=8)
+        states = {}
+        for i in range(40):
+            tokens = list(range(i * 100, i * 100 + 48))
+            states[i] = make_cut_state(tokens, 48 * 2000)
+            cache[tokens] = states[i]
+        hits = 0
+        for i, state in states.items():
+            try:
+                found = cache[state.tokens.tolist()]
+            except KeyError:
+                continue
+            hits += 1
+            assert np.array_equal(found.seq_bytes(), state.prefix(found.n_tokens, None).seq_bytes())
+        assert 0 < hits < 40  # Redis kept some and dropped others
+        cache.sweep(grace_seconds=0)
+        for state in states.values():
+            try:
+                found = cache[state.tokens.tolist()]
+            except KeyError:
+                continue
+            assert np.array_equal(found.seq_bytes(), state.prefix(found.n_tokens, None).seq_bytes())
+
+
+def test_sweep_collects_what_a_dead_client_left(fresh: RedisServer) -> None:
+    import redis
+
+    cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
+    kept = make_cut_state(range(40), 40 * 400)
+    cache[range(40)] = kept
+    orphan_state = make_cut_state(range(900, 940), 40 * 400)
+    # A client that died after writing its chunks and before its script ran.
+    client = redis.Redis.from_url(fresh.url)
+    for piece in pieces("test", orphan_state.tokens, 8):
+        client.set(b"llc:c:" + piece.id.hex().encode(),
+                   b"".join(encode_chunk("test", piece, orphan_state.layout, orphan_state.segments)))
+    before = cache.cache_size
+    assert len(_chunk_keys(fresh)) == 10
+    assert cache.sweep(grace_seconds=0) == 5
+    assert len(_chunk_keys(fresh)) == 5 and cache.cache_size == before
+    assert np.array_equal(cache[range(40)].seq_bytes(), kept.seq_bytes())
+    # A chunk lost under an entry: the entry goes, and so do the chunks only it used.
+    client.delete(b"llc:c:" + pieces("test", kept.tokens, 8)[2].id.hex().encode())
+    cache.sweep(grace_seconds=0)
+    assert len(cache) == 0 and cache.cache_size == 0 and _chunk_keys(fresh) == []
+
+
+# -- outages ---------------------------------------------------------------------------------------
+
+
+def test_a_server_that_never_answers_is_a_miss_within_the_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                accepted.append(listener.accept()[0])  # and never answer
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        cache = LlamaRedisCache(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", fingerprint="test", timeout=0.3)
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="llama_cache"):
+            with pytest.raises(KeyError):
+                cache[[1, 2, 3]]
+            cache[[1, 2, 3]] = make_cut_state([1, 2, 3], 1000)
+            with pytest.raises(KeyError):
+                cache[[1, 2, 3]]
+        assert time.monotonic() - started < 3 * 0.3 + 1.0
+        assert cache.errors >= 3 and cache.stats().store_errors >= 1
+        assert sum("redis cache" in r.getMessage() for r in caplog.records) == 1  # logged once per outage
+    finally:
+        stop.set()
+        thread.join()
+        for connection in accepted:
+            connection.close()
+        listener.close()
+
+
+def test_completions_go_on_while_redis_restarts(caplog: pytest.LogCaptureFixture) -> None:
+    with RedisServer() as server:
+        cache = LlamaRedisCache(server.url, 10**8, fingerprint="test", timeout=0.5)
+        cache[[1, 2, 3]] = fixed_state([1, 2, 3])
+        assert cache[[1, 2, 3]].n_tokens == 3
+        server.kill()
+        with caplog.at_level(logging.WARNING, logger="llama_cache"):
+            with pytest.raises(KeyError):
+                cache[[1, 2, 3]]
+            cache[[4, 5]] = fixed_state([4, 5])  # skipped, not raised
+            server.start()
+            cache[[4, 5]] = fixed_state([4, 5])  # reconnects by itself
+        assert cache[[4, 5]].n_tokens == 2
+        assert any("answers again" in r.getMessage() for r in caplog.records)
+
+
+def test_passwords_pass_through_to_redis() -> None:
+    with RedisServer(args=["--requirepass", "s3cret"]) as server:
+        wrong = LlamaRedisCache(f"redis://:nope@127.0.0.1:{server.port}/0", fingerprint="test")
+        wrong[[1]] = make_cut_state([1], 500)
+        assert wrong.stats().store_errors == 1
+        right = LlamaRedisCache(f"redis://:s3cret@127.0.0.1:{server.port}/0", fingerprint="test")
+        right[[1]] = make_cut_state([1], 500)
+        assert right[[1]].n_tokens == 1
+
+
+def test_bad_arguments_raise() -> None:
+    with pytest.raises(ValueError):
+        LlamaRedisCache(timeout=0)
+    with pytest.raises(ValueError):
+        LlamaRedisCache(timeout=float("nan"))
+    with pytest.raises(ValueError):
+        LlamaRedisCache(chunk_tokens=0)
+    with pytest.raises(TypeError):
+        LlamaRedisCache(url=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        LlamaRedisCache(fingerprint="")
+
+
+# -- two processes, one model ----------------------------------------------------------------------
+
+_SECOND_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    import llama_cache
+    from llama_cache import Llama, LlamaRedisCache
+    url, prompt = sys.argv[1], json.loads(sys.argv[2])
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0,
+                cache=LlamaRedisCache(url, cluster="," in url))
+    text = llm.create_completion(prompt, max_tokens=12, temperature=0)["choices"][0]["text"]
+    print(json.dumps({"text": text, "evaluated": llm.last_prompt_tokens_evaluated,
+                      "hits": llm.cache.stats().hits}))
+    """
+)
+
+
+def _two_processes(url: str) -> None:
+    import json
+
+    import llama_cache
+    from llama_cache import Llama
+
+    prompt = "The history of the printing press begins in the fifteenth century. " * 12
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0,
+                cache=LlamaRedisCache(url, cluster="," in url))
+    llm.create_completion(prompt, max_tokens=12, temperature=0)
+    follow_up = prompt + "Its inventor was"
+    cold = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0)
+    expected = cold.create_completion(follow_up, max_tokens=12, temperature=0)["choices"][0]["text"]
+    done = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, url, json.dumps(follow_up)], capture_output=True,
+                          text=True, timeout=300, check=True)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    new_tokens = len(llm.tokenize(follow_up.encode())) - len(llm.tokenize(prompt.encode()))
+    assert report["hits"] == 1
+    assert 0 < report["evaluated"] <= new_tokens + 1
+    assert report["text"] == expected
+
+
+@pytest.mark.model
+def test_a_second_process_hits_what_the_first_computed(fresh: RedisServer) -> None:
+    _two_processes(fresh.url)
+
+
+@pytest.mark.model
+def test_a_second_process_hits_through_a_redis_cluster() -> None:
+    with RedisCluster(3) as cluster:
+        _two_processes(cluster.url)
