@@ -413,7 +413,7 @@ class LlamaRedisCache(BaseLlamaCache):
         plan = self._find(query)
         if plan is None or plan.length == 0:
             return None
-        keys = [b"llc:c:" + ident.hex().encode() for ident, _, _ in plan.chunks]
+        keys = [_chunk_key(ident) for ident, _, _ in plan.chunks]
 
         def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
@@ -496,8 +496,8 @@ class LlamaRedisCache(BaseLlamaCache):
             pipe.hsetnx(_meta_key(fingerprint, "meta"), "layout", layout_json)
             pipe.hsetnx(_meta_key(fingerprint, "meta"), "chunk_tokens", chunk_tokens)
             pipe.hsetnx(_meta_key(fingerprint, "meta"), "seed", int(state.seed))
-            for piece in chain:
-                pipe.hget(_children_key(fingerprint, piece.prev), piece.id.hex())
+            for piece in chain:  # the values themselves: Redis may have evicted one that is still linked
+                pipe.exists(_chunk_key(piece.id))
             pipe.hgetall(_children_key(fingerprint, chain[-1].prev))
             pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens"])
             return pipe.execute()
@@ -512,7 +512,7 @@ class LlamaRedisCache(BaseLlamaCache):
                 self._store_errors += 1
             logger.warning("redis cache: the namespace holds another KV layout or chunk length; not stored")
             return
-        known_ids = {piece.id for piece, found in zip(chain, reply[3:-1]) if found is not None}
+        known_ids = {piece.id for piece, found in zip(chain, reply[3:-1]) if found}
         ids = [piece.id for piece in chain]
         last = chain[-1]
         if last.n_tokens < chunk_tokens and last.id not in known_ids:
@@ -539,7 +539,7 @@ class LlamaRedisCache(BaseLlamaCache):
             if values:
                 pipe = self._client.pipeline(transaction=False)
                 for ident, value in values.items():
-                    pipe.set(b"llc:c:" + ident.hex().encode(), value)
+                    pipe.set(_chunk_key(ident), value)
                 pipe.execute()
             keys = [_entry_key(fingerprint, tokens), *(_meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
             return self._script(keys=keys, args=args)
@@ -757,6 +757,10 @@ def _prefix(fingerprint: str) -> str:
 
 def _meta_key(fingerprint: str, name: str) -> str:
     return _prefix(fingerprint) + name
+
+
+def _chunk_key(ident: bytes) -> bytes:
+    return _chunk_key(ident)
 
 
 def _children_key(fingerprint: str, prev: bytes) -> str:
