@@ -760,7 +760,7 @@ def _meta_key(fingerprint: str, name: str) -> str:
 
 
 def _chunk_key(ident: bytes) -> bytes:
-    return _chunk_key(ident)
+    return b"llc:c:" + ident.hex().encode()
 
 
 def _children_key(fingerprint: str, prev: bytes) -> str:
