@@ -399,16 +399,31 @@ _PROMPTS = (
 
 
 _SQL_ACTS = {"column", "swap", "delete_row", "junk_row", "changes", "meta", "models", "drop_table"}
+# Acts on chunked entries, drawn only for a directory holding chunks (llama_cache.Llama's states).
+_CHUNK_ACTS = ["chunk_column", "chunk_column", "chunk_swap", "chunk_delete", "link_column", "link_swap",
+               "link_delete", "link_junk", "chunk_file", "chunk_file"]
+_CHUNK_COLUMNS = ("id", "namespace", "prev", "start", "tokens", "file", "size", "raw_size", "codec")
+
+
+def _has_chunks(directory: Path) -> bool:
+    conn = sqlite3.connect(directory / disk.INDEX_FILE, timeout=30)
+    try:
+        return conn.execute("SELECT 1 FROM chunks LIMIT 1").fetchone() is not None
+    except sqlite3.Error:  # dropped by an earlier act
+        return False
+    finally:
+        conn.close()
 
 
 def _tamper(rng: random.Random, directory: Path, outside: Path) -> str:
-    """One random act of vandalism on the index or the payload folder; returns what it did."""
+    """One random act of vandalism on the index (entries, chunks, links...) or the payload folder
+    (payloads, chain heads, chunk files); returns what it did."""
     data = directory / disk.DATA_DIR
     files = sorted(p for p in data.rglob("*.llst") if p.is_file() and not p.is_symlink())
     act = rng.choice(
         ["column", "column", "column", "swap", "delete_row", "junk_row", "changes", "meta", "models",
          "file_bytes", "file_truncate", "file_fifo", "file_link", "file_dir", "subdir_link", "file_delete",
-         "drop_table"]
+         "drop_table"] + (_CHUNK_ACTS if _has_chunks(directory) else [])
     )
     conn = sqlite3.connect(directory / disk.INDEX_FILE, isolation_level=None, timeout=30)
     try:
@@ -418,6 +433,8 @@ def _tamper(rng: random.Random, directory: Path, outside: Path) -> str:
             b"\xff\xff\xff\xff", None, str(outside / "precious.txt"), "../../outside/precious.txt",
             "/etc/passwd", "ab/" + "0" * 32 + ".llst", "a" * 300,
         ]
+        if act in _CHUNK_ACTS:
+            return _tamper_chunks(rng, conn, act, values, files, data)
         if act == "column" and ids:
             column = rng.choice(disk._ENTRY_COLUMNS[1:])
             value = rng.choice(values)
@@ -469,7 +486,7 @@ def _tamper(rng: random.Random, directory: Path, outside: Path) -> str:
                 pass
             return "models"
         if act == "drop_table":
-            table = rng.choice(["entries", "changes", "meta", "models"])
+            table = rng.choice(["entries", "changes", "meta", "models", "chunks", "links"])
             conn.execute(f"DROP TABLE IF EXISTS {table}")
             return f"drop {table}"
     except sqlite3.Error:
@@ -510,6 +527,82 @@ def _tamper(rng: random.Random, directory: Path, outside: Path) -> str:
     return act
 
 
+def _tamper_chunks(
+    rng: random.Random, conn: sqlite3.Connection, act: str, values: list[Any], files: list[Path], data: Path
+) -> str:
+    """One act of :func:`_tamper` on the chunk rows, the links or the chunk files."""
+    chunks = [row[0] for row in conn.execute("SELECT id FROM chunks")]
+    links = conn.execute("SELECT entry_id, pos FROM links").fetchall()
+    entries = [row[0] for row in conn.execute("SELECT id FROM entries")]
+    # Odd values, and plausible ones: other chunks' ids, an empty predecessor, chunk starts, entry ids.
+    odd = values + chunks[:4] + [b"", bytes(16), 16, 32] + entries[:2]
+    try:
+        if act == "chunk_column" and chunks:
+            column, value = rng.choice(_CHUNK_COLUMNS), rng.choice(odd)
+            conn.execute(f"UPDATE chunks SET {column} = ? WHERE id = ?", (value, rng.choice(chunks)))
+            return f"chunk {column}={value!r:.40}"
+        if act == "chunk_swap" and len(chunks) >= 2:
+            a, b = rng.sample(chunks, 2)
+            column = rng.choice(_CHUNK_COLUMNS)
+            if column == "id":  # the primary key: through a spare id
+                spare = os.urandom(16)
+                for old, new in ((a, spare), (b, a), (spare, b)):
+                    conn.execute("UPDATE chunks SET id = ? WHERE id = ?", (new, old))
+            else:
+                va, vb = (conn.execute(f"SELECT {column} FROM chunks WHERE id = ?", (i,)).fetchone()[0] for i in (a, b))
+                conn.execute(f"UPDATE chunks SET {column} = ? WHERE id = ?", (vb, a))
+                conn.execute(f"UPDATE chunks SET {column} = ? WHERE id = ?", (va, b))
+            return f"chunk swap {column}"
+        if act == "chunk_delete" and chunks:
+            conn.execute("DELETE FROM chunks WHERE id = ?", (rng.choice(chunks),))
+            return "chunk delete"
+        if act == "link_column" and links:
+            column, value = rng.choice(["entry_id", "pos", "chunk"]), rng.choice(odd)
+            conn.execute(f"UPDATE links SET {column} = ? WHERE entry_id = ? AND pos = ?", (value, *rng.choice(links)))
+            return f"link {column}={value!r:.40}"
+        if act == "link_swap" and len(links) >= 2:
+            a, b = rng.sample(links, 2)
+            ca, cb = (conn.execute("SELECT chunk FROM links WHERE entry_id = ? AND pos = ?", key).fetchone()[0]
+                      for key in (a, b))
+            conn.execute("UPDATE links SET chunk = ? WHERE entry_id = ? AND pos = ?", (cb, *a))
+            conn.execute("UPDATE links SET chunk = ? WHERE entry_id = ? AND pos = ?", (ca, *b))
+            return "link swap"
+        if act == "link_delete" and links:
+            conn.execute("DELETE FROM links WHERE entry_id = ? AND pos = ?", rng.choice(links))
+            return "link delete"
+        if act == "link_junk":
+            conn.execute("INSERT INTO links (entry_id, pos, chunk) VALUES (?, ?, ?)",
+                         (rng.choice(odd), rng.choice(odd), rng.choice(odd)))
+            return "link junk"
+    except sqlite3.Error:
+        return f"{act} (refused)"  # NOT NULL or a primary key refused it
+    if act != "chunk_file":
+        return "nothing"
+    named = {row[0] for row in conn.execute("SELECT file FROM chunks")}
+    targets = [p for p in files if p.relative_to(data).as_posix() in named]  # never a path a row made up
+    if not targets:
+        return "nothing"
+    target = rng.choice(targets)
+    how = rng.choice(["bytes", "truncate", "delete", "swap"])
+    if how == "bytes":
+        raw = bytearray(target.read_bytes())
+        for _ in range(rng.randint(1, 8)):
+            if raw:
+                raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        target.write_bytes(bytes(raw))
+    elif how == "truncate":
+        with open(target, "r+b") as handle:
+            handle.truncate(rng.randrange(max(target.stat().st_size, 1)))
+    elif how == "delete":
+        target.unlink()
+    else:  # two chunk files trade contents: each row names a file holding another chunk
+        other = rng.choice(targets)
+        first, second = target.read_bytes(), other.read_bytes()
+        target.write_bytes(second)
+        other.write_bytes(first)
+    return f"chunk file {how}"
+
+
 def _snapshot_outside(outside: Path) -> dict[str, tuple[int, float, bool]]:
     return {
         str(p): (p.lstat().st_size, p.lstat().st_mtime, p.is_symlink())
@@ -529,8 +622,9 @@ class _Counter(logging.Handler):
 def _fuzz(tmp_path: Path, trials: int, seed: int) -> dict[str, Any]:
     """Random tampering, then a real completion through the tampered cache, ``trials`` times.
 
-    Half the trials run llama_cache.Llama on a directory of its states, half a plain llama_cpp.Llama
-    on a directory of llama-cpp-python's states.
+    Half the trials run llama_cache.Llama on a directory of its states (chunks of 4 tokens, so that
+    entries are chains of several chunks and share some), half a plain llama_cpp.Llama on a directory
+    of llama-cpp-python's states.
     """
     import llama_cpp
 
@@ -547,7 +641,7 @@ def _fuzz(tmp_path: Path, trials: int, seed: int) -> dict[str, Any]:
         for prompt in _PROMPTS:
             llm.reset()
             cold[name, prompt] = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
-        with LlamaDiskCache(tmp_path / f"pristine-{name}", capacity_bytes=64 << 20) as cache:
+        with LlamaDiskCache(tmp_path / f"pristine-{name}", capacity_bytes=64 << 20, chunk_tokens=4) as cache:
             llm.set_cache(cache)
             for prompt in _PROMPTS:
                 llm.reset()
@@ -582,7 +676,9 @@ def _fuzz(tmp_path: Path, trials: int, seed: int) -> dict[str, Any]:
 
             def run() -> None:
                 try:
-                    cache = LlamaDiskCache(directory, capacity_bytes=64 << 20, write_behind=write_behind)
+                    cache = LlamaDiskCache(
+                        directory, capacity_bytes=64 << 20, write_behind=write_behind, chunk_tokens=4
+                    )
                     llm.set_cache(cache)
                     llm.reset()
                     text = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]

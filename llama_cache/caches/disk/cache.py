@@ -693,6 +693,7 @@ class LlamaDiskCache(BaseLlamaCache):
         conn.execute("BEGIN")
         try:
             self._view.rebuild(conn)
+            self._chunk_bytes = chunkstore.stored_bytes(conn)
         finally:
             conn.execute("COMMIT")
         self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]

@@ -181,7 +181,9 @@ def _segments(cache: LlamaDiskCache, head: Head, rows: list[ChunkRow], n: int, u
         row, start = rows[k], k * size
         expected = head.tokens[start : start + size]
         held = len(expected)
-        whole = row.n_tokens == size or (k == len(rows) - 1 and held <= row.n_tokens <= size)
+        # The last chunk may hold more tokens than the entry uses: a longer one absorbed it, maybe
+        # stored by a chain of a larger chunk length.
+        whole = row.n_tokens == size or (k == len(rows) - 1 and held <= row.n_tokens)
         if (
             row.namespace != head.fingerprint or row.prev != prev or row.start != start or not whole
             or not np.array_equal(row.tokens[:held], expected)

@@ -143,7 +143,15 @@ def absorb(conn: sqlite3.Connection, chunk: ChunkRow) -> set[bytes]:
         except _BadRow:
             continue
         if shorter.n_tokens < chunk.n_tokens and np.array_equal(chunk.tokens[: shorter.n_tokens], shorter.tokens):
-            # Only the last chunk of a chain can be partial, so no link follows one: moving is safe.
+            # Only a chain's last chunk may be replaced by a longer one. A shorter chunk is not always
+            # partial: a full chunk of a chain with a smaller chunk length is shorter too, and links
+            # follow it.
+            if conn.execute(
+                "SELECT 1 FROM links AS a JOIN links AS b ON b.entry_id = a.entry_id AND b.pos = a.pos + 1 "
+                "WHERE a.chunk = ? LIMIT 1",
+                (shorter.id,),
+            ).fetchone() is not None:
+                continue
             conn.execute("UPDATE links SET chunk = ? WHERE chunk = ?", (chunk.id, shorter.id))
             absorbed.add(shorter.id)
     return absorbed
