@@ -7,7 +7,8 @@ The public API, exported once here:
   alias :class:`LlamaCache` (longest stored key that prefixes the query), on the base
   :class:`BaseLlamaCache`; :class:`TrieNode` is the radix tree's node. :class:`LlamaDiskCache` keeps
   states on disk: persistent, crash-safe, shared by processes, namespaced by model;
-  :class:`CacheDirectoryError` when a directory cannot hold one.
+  :class:`CacheDirectoryError` when a directory cannot hold one. :class:`TieredCache` stacks caches
+  fastest first: lookups read through and promote, stores reach the slower tiers in the background.
 - :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
   reuses partial prefixes and serves exact repeats without a decode; :class:`IncompatibleStateError`
   when a state belongs to another model.
@@ -23,6 +24,7 @@ from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.disk import CacheDirectoryError, LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
+from llama_cache.caches.tiered import TieredCache
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.checkpoints import HybridCheckpoint, HybridCheckpointCache
 from llama_cache.index import TrieNode
@@ -48,6 +50,7 @@ __all__ = [
     "LlamaRAMCache",
     "LlamaState",
     "LlamaTrieCache",
+    "TieredCache",
     "TrieNode",
     "default_model_path",
 ]
