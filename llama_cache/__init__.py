@@ -9,6 +9,8 @@ The public API, exported once here:
   states on disk: persistent, crash-safe, shared by processes, namespaced by model;
   :class:`CacheDirectoryError` when a directory cannot hold one. :class:`LlamaRedisCache` shares
   states between processes and machines through Redis, as content-addressed KV chunks.
+  :class:`TieredCache` stacks caches fastest first: lookups read through and promote, stores reach
+  the slower tiers in the background.
 - :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
   reuses partial prefixes and serves exact repeats without a decode; :class:`IncompatibleStateError`
   when a state belongs to another model.
@@ -25,6 +27,7 @@ from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.disk import CacheDirectoryError, LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.redis_tier import LlamaRedisCache
+from llama_cache.caches.tiered import TieredCache
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.checkpoints import HybridCheckpoint, HybridCheckpointCache
 from llama_cache.index import TrieNode
@@ -51,6 +54,7 @@ __all__ = [
     "LlamaRedisCache",
     "LlamaState",
     "LlamaTrieCache",
+    "TieredCache",
     "TrieNode",
     "default_model_path",
 ]

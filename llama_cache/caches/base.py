@@ -17,6 +17,7 @@ from typing import Any
 import llama_cpp.llama_cache as _upstream
 
 from llama_cache.state.memory import MemoryBlock, memory_blocks
+from llama_cache.tokens import as_token_array
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",
@@ -46,6 +47,10 @@ class CacheStats:
             written again).
         store_errors: states that could not be stored (wrong kind, I/O error); logged, never raised.
         round_trips: network round trips made (shared tiers; 0 for local ones).
+        lookup_errors: lookups a tier failed with an error, answered as misses (a tiered cache's).
+        dropped: states a tiered cache's background writer dropped from its full queue, never
+            reaching the slower tiers.
+        tiers: a tiered cache's tiers' own statistics, fastest first (empty for a single cache).
     """
 
     hits: int
@@ -58,6 +63,9 @@ class CacheStats:
     writes: int = 0
     store_errors: int = 0
     round_trips: int = 0
+    lookup_errors: int = 0
+    dropped: int = 0
+    tiers: tuple[CacheStats, ...] = ()
 
 
 def check_capacity(capacity_bytes: object) -> int:
@@ -112,6 +120,23 @@ class BaseLlamaCache(_upstream.BaseLlamaCache):
             KeyError: as ``cache[key]``.
         """
         return self[key]
+
+    def match_length(self, key: Sequence[int]) -> int:
+        """How many leading tokens of ``key`` the state ``lookup_prefix(key)`` would restore; 0 on a miss.
+
+        Asked without loading anything and without changing recency or counters, so that a tiered cache
+        can pick the tier holding the longest prefix before reading from any. This default answers 0,
+        meaning "unknown", for caches that cannot tell without a lookup: it never claims more than a
+        lookup would restore, and a caller must still try ``lookup_prefix`` on a cache answering 0 (a
+        stored empty key, or an unknown answer). Caches with an index override it.
+
+        Complexity: the default is O(K) for checking ``key``; overrides should stay O(K) in its length.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        as_token_array(key)
+        return 0
 
     @abstractmethod
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]

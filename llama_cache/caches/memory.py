@@ -104,6 +104,19 @@ class IndexedMemoryCache(BaseLlamaCache):
         with self._lock:
             return self._match(query) is not None
 
+    def match_length(self, key: Sequence[int]) -> int:
+        """Leading tokens of ``key`` shared with the key of the entry ``cache[key]`` would return; 0 on
+        a miss (or when only a stored empty key answers). O(K) in the key's length, one radix lookup;
+        changes neither recency nor counters.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        query = as_token_array(key)
+        with self._lock:
+            match = self._match(query)
+            return 0 if match is None else match.common
+
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
         """Store ``value``, replacing any state stored under the same key.
 

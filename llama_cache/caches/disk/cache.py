@@ -341,6 +341,25 @@ class LlamaDiskCache(BaseLlamaCache):
             logger.warning("disk cache: index unavailable (%s); answering no", error)
             return False
 
+    def match_length(self, key: Sequence[int]) -> int:
+        """Leading tokens of ``key`` the state ``lookup_prefix(key)`` would restore, 0 on a miss: the
+        common prefix with the best entry's key (a whole key for states that cannot be cut). From the
+        in-memory index, O(K) per namespace searched; no payload read, no recency change.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        query = as_token_array(key)
+        self._wait_for_writes()
+        try:
+            with self._lock:
+                self._sync()
+                match = self._view.best(query, self._namespace)
+        except Exception as error:  # noqa: BLE001 - a damaged index is a miss, never an error
+            logger.warning("disk cache: index unavailable (%s); answering 0", error)
+            return 0
+        return 0 if match is None else match.common
+
     def __getitem__(self, key: Sequence[int]) -> Any:
         """Return the state of the best entry for ``key`` and make that entry the most recently used.
 
