@@ -332,27 +332,32 @@ _SECOND_PROCESS = textwrap.dedent(
     """
     import json, sys
     import llama_cache
-    from llama_cache import Llama, LlamaRedisCache
+    from llama_cache import Llama, LlamaRAMCache, LlamaRedisCache, TieredCache
     url, prompt = sys.argv[1], json.loads(sys.argv[2])
-    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0,
-                cache=LlamaRedisCache(url, cluster="," in url))
+    cache = TieredCache([LlamaRAMCache(1 << 30), LlamaRedisCache(url, cluster="," in url)])
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0, cache=cache)
     text = llm.create_completion(prompt, max_tokens=12, temperature=0)["choices"][0]["text"]
-    print(json.dumps({"text": text, "evaluated": llm.last_prompt_tokens_evaluated,
-                      "hits": llm.cache.stats().hits}))
+    ram, shared = cache.stats().tiers
+    print(json.dumps({"text": text, "evaluated": llm.last_prompt_tokens_evaluated, "hits": shared.hits}))
     """
 )
 
 
 def _two_processes(url: str) -> None:
+    """Process one fills RAM + Redis tiers; process two, with an empty RAM tier, hits from Redis:
+    it evaluates only the new tokens and gives a cold run's greedy text."""
     import json
 
     import llama_cache
     from llama_cache import Llama
 
     prompt = "The history of the printing press begins in the fifteenth century. " * 12
-    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0,
-                cache=LlamaRedisCache(url, cluster="," in url))
+    from llama_cache import LlamaRAMCache, TieredCache
+
+    cache = TieredCache([LlamaRAMCache(1 << 30), LlamaRedisCache(url, cluster="," in url)])
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0, cache=cache)
     llm.create_completion(prompt, max_tokens=12, temperature=0)
+    cache.flush()  # the Redis tier is written behind
     follow_up = prompt + "Its inventor was"
     cold = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0)
     expected = cold.create_completion(follow_up, max_tokens=12, temperature=0)["choices"][0]["text"]
@@ -366,7 +371,7 @@ def _two_processes(url: str) -> None:
 
 
 @pytest.mark.model
-def test_a_second_process_hits_what_the_first_computed(fresh: RedisServer) -> None:
+def test_a_second_process_with_its_own_ram_tier_hits_what_the_first_computed(fresh: RedisServer) -> None:
     _two_processes(fresh.url)
 
 
