@@ -435,12 +435,14 @@ def replay(stores: list[Store], directory: Path, chunk_tokens: int, fingerprint:
                             "chunks_within": bool(chunk_tokens) and row["chunk"] <= bound})
     on_disk = _files(directory)
     index_bytes = sum(size for name, (size, _) in on_disk.items() if name.startswith(INDEX_FILE))
+    head_bytes = sum(size for name, (size, _) in before.items() if _kind(data / name) == "head")
     written = [c["bytes"] for c in completions]
     result = {
         "chunk_tokens": chunk_tokens, "entries": storage.entries, "chunks": storage.chunks,
         "unique_bytes": storage.unique_bytes, "logical_bytes": storage.logical_bytes,
         "data_file_bytes": sum(size for size, _ in before.values()),
         "data_allocated_bytes": sum(blocks for _, blocks in before.values()), "data_files": len(before),
+        "head_bytes": head_bytes,
         "index_bytes": index_bytes, "writes": stats.writes, "store_errors": stats.store_errors,
         "written_mean": statistics.fmean(written), "written_max": max(written),
         "bound_mean": statistics.fmean(c["new_tokens"] * bytes_per_token + chunk_bytes for c in completions),
@@ -507,7 +509,8 @@ def child(kind: str, directory: str, messages_file: str, n_ctx: int, threads: in
     """In a fresh process: load the model, open the directory, time one streamed completion."""
     messages = json.loads(Path(messages_file).read_text())
     with contextlib.redirect_stderr(io.StringIO()):  # llama-cpp-python's cache prints
-        llm = llama_cpp.Llama(**_model_args(n_ctx, threads)) if kind == "theirs" else Llama(**_model_args(n_ctx, threads))
+        model = llama_cpp.Llama if kind == "theirs" else Llama
+        llm = model(**_model_args(n_ctx, threads))
         start = time.perf_counter()
         cache: Any = (upstream.LlamaDiskCache(directory) if kind == "theirs"
                       else LlamaDiskCache(directory, fingerprint=llm.fingerprint))  # type: ignore[attr-defined]
@@ -646,7 +649,8 @@ def report(out: dict[str, Any]) -> None:
                                 ("theirs", "llama-cpp-python"))]
     table("Time to first token on a hit (median; warm: this process, files in the page cache; fresh: a new "
           "process, the directory's files dropped from the page cache)",
-          ["set-up, prompt", "warm", "warm, CPU", "fresh", "tokens evaluated", "lookup (warm)", "restore (warm)",
+          ["set-up, prompt", "warm", "warm, CPU (all threads)", "fresh", "tokens evaluated", "lookup (warm)",
+           "restore (warm)",
            "fresh: lookup + restore"], rows)
 
     rows = []
@@ -654,14 +658,14 @@ def report(out: dict[str, Any]) -> None:
         f, hit = formats[c], ttft["warm"][c]
         n = len(f["completions"])
         rows.append([_name(c, default), f["data_files"], _mb(f["unique_bytes"]), f"{f['unique_bytes'] / floor:.3f}x",
-                     _mb(f["written_mean"]), _mb(f["chunk_written_mean"]),
+                     _mb(f["head_bytes"]) if c != "0" else "-", _mb(f["written_mean"]), _mb(f["chunk_written_mean"]),
                      f"{f['within']}/{n} ({f['chunks_within']}/{n})" if c != "0" else "-",
                      f"{f['store_ms_mean']:.0f} ms", _ms(hit["ttft_ms"]), _ms(hit["ttft_cpu_ms"]),
                      f"{hit['lookup_ms']:.1f} ms", f"{hit['restore_ms']:.1f} ms"])
     table("Chunk size (the same stores replayed; within: completions whose new files fit their new tokens' KV + "
           "one chunk, in brackets chunk files alone)",
-          ["chunk_tokens", "files", "on disk", "/ floor", "written/completion", "of it chunks", "within",
-           "store/completion", "hit TTFT warm", "CPU", "lookup", "restore"], rows)
+          ["chunk_tokens", "files", "on disk", "/ floor", "of it heads", "written/completion", "of it chunks",
+           "within", "store/completion", "hit TTFT warm", "CPU", "lookup", "restore"], rows)
 
     print("\nTargets (issue #10):")
     for target in out["targets"]:
@@ -726,6 +730,11 @@ def main() -> int:
     sub_turns = min(args.theirs_turns, args.turns)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def phase(name: str) -> None:
+        phases[name] = time.perf_counter() - started - sum(phases.values())
+
     with tempfile.TemporaryDirectory(prefix="llama-cache-dedup-bench-", dir=args.workdir) as tmp:
         workdir = Path(tmp)
         llm = Llama(**_model_args(args.n_ctx, args.threads))
@@ -740,6 +749,7 @@ def main() -> int:
         print(f"workload: {args.conversations} x {args.turns} completions...", file=sys.stderr)
         completions = run_ours(llm, recorder, workload, args.conversations, args.max_tokens)
         llm.set_cache(None)
+        phase("workload")
         live_storage = live.storage()
         live.close()
         stores = recorder.stores
@@ -763,17 +773,20 @@ def main() -> int:
             caches[str(chunk_tokens)], formats[str(chunk_tokens)] = replay(
                 stores, workdir / f"chunks-{chunk_tokens}", chunk_tokens, llm.fingerprint, new_tokens, bytes_per_token)
         default = str(default_chunk_tokens(layout))
+        phase("replay")
 
         # 3. llama-cpp-python's disk cache on the subset.
         print(f"llama-cpp-python: {sub_conv} x {sub_turns} completions...", file=sys.stderr)
         their_llm = llama_cpp.Llama(**_model_args(args.n_ctx, args.threads))
         theirs, their_result = run_theirs(their_llm, workdir / "llama-cpp-python", workload, sub_conv, sub_turns,
                                           args.max_tokens, bytes_per_token, int(default))
+        phase("llama_cpp_python")
 
         # 4. Time to first token on a hit.
         ttft = probe_hits(llm, their_llm, caches, theirs, workload, default, sub_conv, sub_turns, workdir, args)
         for cache in caches.values():
             cache.close()
+        phase("hit_probes")
 
     out: dict[str, Any] = {
         "benchmark": "dedup", "command": " ".join(["tools/run python benchmarks/dedup.py"] + sys.argv[1:]),
@@ -786,13 +799,14 @@ def main() -> int:
         "formats": formats, "live_storage": dataclasses.asdict(live_storage), "llama_cpp_python": their_result,
         "ttft": ttft, "completions": completions,
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-        "elapsed_s": time.perf_counter() - started,
+        "elapsed_s": time.perf_counter() - started, "phases_s": phases,
     }
     out["targets"] = targets(out)
     report(out)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"\n{out['elapsed_s']:.0f} s; JSON written to {args.out}")
+    print(f"\n{out['elapsed_s']:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
+          + f"); JSON written to {args.out}")
     return 0
 
 
