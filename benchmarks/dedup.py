@@ -30,8 +30,8 @@ chunks), synchronously (``write_behind=False``). Per directory:
   the lookup (``lookup_prefix``) and of the restore (``load_state``) inside it.
 
 For the default chunk size and whole states, the same probes also run in fresh processes (model load,
-open the directory, one streamed completion) after dropping every file of the directory from the page
-cache (``posix_fadvise(DONTNEED)``, as ``benchmarks/disk.py``): ``--fresh-repeat`` times each, the
+open the directory, one streamed completion), which first drops every file of the directory from the
+page cache (``posix_fadvise(DONTNEED)``, as ``benchmarks/disk.py``): ``--fresh-repeat`` times each, the
 set-ups in rotating order.
 
 llama-cpp-python's ``llama_cpp.llama_cache.LlamaDiskCache`` on a plain ``llama_cpp.Llama`` runs a
@@ -506,7 +506,15 @@ def _restore_theirs(recorder: RecordingCache) -> None:
 
 
 def child(kind: str, directory: str, messages_file: str, n_ctx: int, threads: int | None) -> None:
-    """In a fresh process: load the model, open the directory, time one streamed completion."""
+    """In a fresh process: drop the directory from the page cache, load the model, open the directory,
+    time one streamed completion.
+
+    The dropping happens here, not in the parent: opening and closing a file descriptor on an SQLite
+    database or its ``-wal``/``-shm`` releases every POSIX lock the process holds on it, and the parent
+    keeps connections open (a child then took llama-cpp-python's index for empty).
+    """
+    for name in _files(Path(directory)):
+        drop_from_page_cache(Path(directory) / name)
     messages = json.loads(Path(messages_file).read_text())
     with contextlib.redirect_stderr(io.StringIO()):  # llama-cpp-python's cache prints
         model = llama_cpp.Llama if kind == "theirs" else Llama
@@ -521,11 +529,9 @@ def child(kind: str, directory: str, messages_file: str, n_ctx: int, threads: in
 
 
 def fresh(kind: str, directory: Path, messages: list[dict[str, str]], args: argparse.Namespace) -> dict[str, Any]:
-    """:func:`child` in a new process, every file of ``directory`` dropped from the page cache first."""
+    """:func:`child` in a new process."""
     messages_file = directory.parent / "probe-messages.json"
     messages_file.write_text(json.dumps(messages))
-    for name in _files(directory):
-        drop_from_page_cache(directory / name)
     command = [sys.executable, __file__, _CHILD, kind, "--dir", str(directory), "--messages", str(messages_file),
                "--n-ctx", str(args.n_ctx)] + (["--threads", str(args.threads)] if args.threads else [])
     done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
@@ -635,8 +641,11 @@ def report(out: dict[str, Any]) -> None:
                             "new KV + one chunk (mean)"], rows)
 
     def row(label: str, warm: dict[str, Any], cold: dict[str, Any]) -> list[str]:
+        def span(values: list[int]) -> str:
+            return f"{min(values)}-{max(values)}" if values else "-"
+
         return [label, _ms(warm.get("ttft_ms")), _ms(warm.get("ttft_cpu_ms")), _ms(cold.get("ttft_ms")),
-                f"{min(warm['evaluated'])}-{max(warm['evaluated'])}", f"{warm['lookup_ms']:.1f} ms",
+                f"{span(warm['evaluated'])} / {span(cold.get('evaluated', []))}", f"{warm['lookup_ms']:.1f} ms",
                 f"{warm['restore_ms']:.1f} ms",
                 "-" if not cold else f"{cold['lookup_ms']:.0f} + {cold['restore_ms']:.0f} ms"]
 
@@ -649,7 +658,7 @@ def report(out: dict[str, Any]) -> None:
                                 ("theirs", "llama-cpp-python"))]
     table("Time to first token on a hit (median; warm: this process, files in the page cache; fresh: a new "
           "process, the directory's files dropped from the page cache)",
-          ["set-up, prompt", "warm", "warm, CPU (all threads)", "fresh", "tokens evaluated", "lookup (warm)",
+          ["set-up, prompt", "warm", "warm, CPU (all threads)", "fresh", "evaluated warm / fresh", "lookup (warm)",
            "restore (warm)",
            "fresh: lookup + restore"], rows)
 
