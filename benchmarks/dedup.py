@@ -1,7 +1,7 @@
 """Disk tier deduplication: bytes on disk, bytes written per completion, time to first token on a hit.
 
-    tools/run python benchmarks/dedup.py                                 # the workload of issue #10
-    tools/run python benchmarks/dedup.py --conversations 3 --turns 2     # a smoke run
+    tools/run python benchmarks/dedup.py        # issue #10's workload (21 min on 2 cores at load 4-7)
+    tools/run python benchmarks/dedup.py --conversations 3 --turns 2 --repeat 2 --fresh-repeat 1  # smoke
 
 Workload: ``--conversations`` users (default 20) share a system prompt of ``--system-tokens`` tokens
 (default 1,000, counted with the model's tokenizer); each asks ``--turns`` questions (default 5; 40-100
