@@ -520,11 +520,11 @@ class LlamaRedisCache(BaseLlamaCache):
             if longer is not None:
                 ids[-1] = longer[0]
                 known_ids.add(longer[0])
-        values: dict[bytes, bytes] = {}
+        values: dict[bytes, memoryview] = {}
         for piece in chain:
             if piece.id not in known_ids and piece.id in ids:
-                values[piece.id] = b"".join(encode_chunk(fingerprint, piece, layout, state.segments))
-        sizes = {piece.id: len(values[piece.id]) if piece.id in values else 0 for piece in chain}
+                values[piece.id] = encode_chunk(fingerprint, piece, layout, state.segments)[0]
+        sizes = {piece.id: values[piece.id].nbytes if piece.id in values else 0 for piece in chain}
         head = b"".join(encode_head(state, chunk_tokens))
         args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids)]
         by_id = {piece.id: piece for piece in chain}

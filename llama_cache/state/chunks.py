@@ -46,8 +46,9 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import xxhash
 
-from llama_cache.state.format import CorruptStateError, _field, _framed, _open
+from llama_cache.state.format import PREFIX_SIZE, CorruptStateError, _field, _framed, _open, _pack_prefix
 from llama_cache.state.kv_layout import Bytes, KVLayout, KVSegment
 from llama_cache.state.llama_state import LlamaState
 
@@ -200,22 +201,13 @@ def _window(segments: Sequence[KVSegment], start: int, end: int) -> Iterator[tup
 def encode_chunk(namespace: str, piece: Piece, layout: KVLayout, segments: Sequence[KVSegment]) -> list[memoryview]:
     """Encode the KV of ``piece``'s positions, taken from a state's ``segments``, as a chunk file.
 
-    Complexity: one copy of the chunk's bytes (the per-layer runs are joined) and one checksum pass.
+    Returns one buffer (in a list, like every encoder here), written in place: its prefix, header and
+    payload. Complexity: one copy of the chunk's bytes and one checksum pass.
     """
     start, end = piece.start, piece.start + piece.n_tokens
     runs = list(_window(segments, start, end))
     if sum(hi - lo for _, lo, hi in runs) != piece.n_tokens:
         raise ValueError("the segments do not cover the chunk")
-    parts: list[Any] = [np.ascontiguousarray(piece.tokens, dtype="<i4")]
-    for i in range(layout.n_layer):
-        parts.extend(segment.k[i][lo:hi] for segment, lo, hi in runs)
-    for i in range(layout.n_layer):
-        if layout.v_trans:
-            el = layout.v_elem_bytes[i]
-            parts.append(np.concatenate([segment.v[i][:, lo * el : hi * el] for segment, lo, hi in runs], axis=1))
-        else:
-            parts.extend(segment.v[i][lo:hi] for segment, lo, hi in runs)
-    payload = b"".join(memoryview(np.ascontiguousarray(part)).cast("B") for part in parts)
     header = json.dumps(
         {
             "namespace": namespace,
@@ -227,7 +219,29 @@ def encode_chunk(namespace: str, piece: Piece, layout: KVLayout, segments: Seque
         },
         sort_keys=True,
     ).encode()
-    return _framed(KIND_CHUNK, header, [memoryview(payload)])
+    n = piece.n_tokens
+    body = PREFIX_SIZE + len(header)
+    out = np.empty(body + chunk_size(layout, n), dtype=np.uint8)
+    out[PREFIX_SIZE:body] = np.frombuffer(header, dtype=np.uint8)
+    offset = body
+    out[offset : offset + 4 * n] = np.ascontiguousarray(piece.tokens, dtype="<i4").view(np.uint8)
+    offset += 4 * n
+    for i, row in enumerate(layout.k_row_bytes):
+        target = out[offset : offset + n * row].reshape(n, row)
+        np.concatenate([segment.k[i][lo:hi] for segment, lo, hi in runs], axis=0, out=target)
+        offset += n * row
+    for i, row in enumerate(layout.v_row_bytes):
+        if layout.v_trans:
+            el = layout.v_elem_bytes[i]
+            target = out[offset : offset + n * row].reshape(layout.n_embd_v[i], n * el)
+            np.concatenate([segment.v[i][:, lo * el : hi * el] for segment, lo, hi in runs], axis=1, out=target)
+        else:
+            target = out[offset : offset + n * row].reshape(n, row)
+            np.concatenate([segment.v[i][lo:hi] for segment, lo, hi in runs], axis=0, out=target)
+        offset += n * row
+    view = memoryview(out)
+    _pack_prefix(view, KIND_CHUNK, len(header), len(out) - body, xxhash.xxh3_64_intdigest(view[PREFIX_SIZE:]))
+    return [view]
 
 
 def chunk_size(layout: KVLayout, n_tokens: int) -> int:

@@ -107,6 +107,11 @@ def _framed(kind: int, header: bytes, parts: list[memoryview]) -> list[memoryvie
     return [memoryview(prefix), memoryview(header), *parts]
 
 
+def _pack_prefix(buffer: memoryview, kind: int, header_length: int, payload_length: int, digest: int) -> None:
+    """Write the fixed prefix into the first ``PREFIX_SIZE`` bytes of a buffer framed in place."""
+    _PREFIX.pack_into(buffer, 0, MAGIC, VERSION, kind, header_length, payload_length, digest)
+
+
 def encoded_size(parts: list[memoryview]) -> int:
     return sum(part.nbytes for part in parts)
 
