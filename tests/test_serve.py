@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llama_cache import Llama, LlamaDiskCache, LlamaRAMCache, default_model_path
 from llama_cache.server import ServerConfig, create_app, load_engine
+from llama_cache.testing.redis_server import RedisServer, redis_available
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -427,3 +428,27 @@ def test_settings_come_from_options_then_environment_then_defaults() -> None:
         config_from_args(args, {"LLAMA_CACHE_N_CTX": "many"})
     with pytest.raises(ValueError, match="parallel"):
         config_from_args(parser.parse_args(["serve", "--parallel", "0"]), {})
+
+
+# ------------------------------------------------------------------------------------ tiered caches
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+def test_two_servers_share_prompt_states_through_disk_and_redis(tmp_path: Path) -> None:
+    """Two servers, each with its own RAM tier, share one Redis; the second hits what the first computed."""
+    prompt = "A long shared preamble about the rivers of Europe and their ports. " * 10 + "Name one river:"
+    with RedisServer() as redis_server:
+        first = _LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "one", redis_url=redis_server.url))
+        try:
+            assert [name for name, _ in first.engine.tiers] == ["ram", "disk", "redis"]
+            expected = first.client().completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
+        finally:
+            first.stop()  # drains: the Redis tier is written behind
+        second = _LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "two", redis_url=redis_server.url))
+        try:
+            answer = second.client().completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
+            metrics = second.metrics()
+        finally:
+            second.stop()
+    assert answer.choices[0].text == expected.choices[0].text
+    assert metrics['llama_cache_cache_hits_total{tier="redis"}'] >= 1
+    assert metrics["llama_cache_prompt_tokens_cached_total"] >= answer.usage.prompt_tokens - 2

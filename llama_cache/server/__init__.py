@@ -36,7 +36,7 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
 
     engine = load_engine(config)
     logger.info("serving %s with %d context(s) of %d tokens, %s prompt cache", engine.model_name,
-                len(engine.pool.slots), engine.n_ctx, engine.tier)
+                len(engine.pool.slots), engine.n_ctx, " + ".join(name for name, _ in engine.tiers))
     uvicorn_config = uvicorn.Config(
         create_app(engine),
         host=config.host,

@@ -38,6 +38,8 @@ from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
+from llama_cache.caches.redis_tier import LlamaRedisCache
+from llama_cache.caches.tiered import TieredCache
 from llama_cache.server.config import ServerConfig
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.protocol import (
@@ -66,7 +68,7 @@ class Engine:
 
     pool: SlotPool
     cache: BaseLlamaCache
-    tier: str
+    tiers: list[tuple[str, BaseLlamaCache]]  # (name, cache), fastest first
     model_name: str
     n_ctx: int
     n_vocab: int
@@ -74,9 +76,9 @@ class Engine:
 
     def close(self) -> None:
         """Flush the cache's background writes and free every context. Call with no job running."""
-        flush = getattr(self.cache, "close", None) if isinstance(self.cache, LlamaDiskCache) else None
-        if flush is not None:
-            flush()
+        close = getattr(self.cache, "close", None)
+        if close is not None:
+            close()  # flushes background writes to the slower tiers
         for slot in self.pool.slots:
             slot.llama.close()
 
@@ -94,24 +96,25 @@ def load_engine(config: ServerConfig) -> Engine:
     path = Path(config.model_path) if config.model_path is not None else default_model_path()
     if not path.is_file():
         raise FileNotFoundError(f"model file not found: {path}")
-    cache: BaseLlamaCache
+    tiers: list[tuple[str, BaseLlamaCache]] = [("ram", LlamaRAMCache(capacity_bytes=config.cache_ram))]
     if config.cache_dir is not None:
-        cache, tier = LlamaDiskCache(config.cache_dir, capacity_bytes=config.cache_disk), "disk"
-    else:
-        cache, tier = LlamaRAMCache(capacity_bytes=config.cache_ram), "ram"
+        tiers.append(("disk", LlamaDiskCache(config.cache_dir, capacity_bytes=config.cache_disk)))
+    if config.redis_url is not None:
+        tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
+    cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
     extra: dict[str, Any] = {}
     if config.n_threads is not None:
         extra.update(n_threads=config.n_threads, n_threads_batch=config.n_threads)
     slots = []
     for index in range(config.parallel):
         llama = SlotLlama(model_path=str(path), n_ctx=config.n_ctx, verbose=False, **extra)
-        llama.set_cache(cache)  # binds an unbound disk tier to this model, with its description
+        llama.set_cache(cache)  # binds unbound disk and Redis tiers to this model
         slots.append(Slot(index=index, llama=llama))
     first = slots[0].llama
     return Engine(
         pool=SlotPool(slots, config.max_queue),
         cache=cache,
-        tier=tier,
+        tiers=tiers,
         model_name=config.model_alias or path.stem,
         n_ctx=first.n_ctx(),
         n_vocab=first.n_vocab(),
@@ -184,7 +187,7 @@ class _Server:
         self.engine = engine
         self.executor = ThreadPoolExecutor(max_workers=len(engine.pool.slots), thread_name_prefix="llama-cache-slot")
         self.metrics = ServerMetrics(
-            caches=lambda: [(engine.tier, engine.cache)],
+            caches=lambda: engine.tiers,
             queue_depth=lambda: engine.pool.queue_depth,
             running=lambda: engine.pool.running,
             slots=lambda: len(engine.pool.slots),

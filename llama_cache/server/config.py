@@ -27,9 +27,12 @@ class ServerConfig:
         host, port: where to listen.
         n_ctx: each context's size in tokens.
         parallel: contexts, hence requests served at once.
-        cache_ram: byte budget of the RAM prompt cache (used when ``cache_dir`` is None).
-        cache_dir: the disk tier's directory; None keeps the prompt cache in RAM.
+        cache_ram: byte budget of the RAM prompt cache, the fastest tier.
+        cache_dir: the disk tier's directory, behind RAM; None: no disk tier.
         cache_disk: byte budget of the disk tier.
+        redis_url: the shared Redis tier, behind RAM and disk (``redis://host:port/db``; several
+            comma-separated ``host:port`` for a cluster); None: no Redis tier.
+        cache_redis: byte budget of this model's namespace in Redis.
         max_queue: requests that may wait for a context; one more is answered 503.
         model_alias: the model's name in ``/v1/models`` and responses (default: the file's stem).
         shutdown_timeout: seconds SIGTERM waits for running requests before cancelling them.
@@ -44,6 +47,8 @@ class ServerConfig:
     cache_ram: int = DEFAULT_CACHE_RAM
     cache_dir: Path | None = None
     cache_disk: int = DEFAULT_CACHE_RAM
+    redis_url: str | None = None
+    cache_redis: int = DEFAULT_CACHE_RAM
     max_queue: int = 64
     model_alias: str | None = None
     shutdown_timeout: float = 30.0
@@ -56,8 +61,8 @@ class ServerConfig:
             raise ValueError(f"n_ctx must be at least 64, got {self.n_ctx}")
         if self.parallel < 1:
             raise ValueError(f"parallel must be at least 1, got {self.parallel}")
-        if self.cache_ram < 0 or self.cache_disk < 0:
-            raise ValueError("cache sizes must not be negative")
+        if self.cache_ram <= 0 or self.cache_disk <= 0 or self.cache_redis <= 0:
+            raise ValueError("cache sizes must be positive")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must not be negative, got {self.max_queue}")
         if self.shutdown_timeout < 0:
@@ -75,6 +80,8 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "cache_ram": ("LLAMA_CACHE_CACHE_RAM", int, "RAM prompt cache budget in bytes (default 2 GiB)"),
     "cache_dir": ("LLAMA_CACHE_CACHE_DIR", Path, "keep the prompt cache on disk in this directory"),
     "cache_disk": ("LLAMA_CACHE_CACHE_DISK", int, "disk prompt cache budget in bytes (default 2 GiB)"),
+    "redis_url": ("LLAMA_CACHE_REDIS", str, "share the prompt cache through this Redis (redis://host:port/db)"),
+    "cache_redis": ("LLAMA_CACHE_CACHE_REDIS", int, "Redis prompt cache budget in bytes (default 2 GiB)"),
     "max_queue": ("LLAMA_CACHE_MAX_QUEUE", int, "requests that may wait for a context before 503 (default 64)"),
     "model_alias": ("LLAMA_CACHE_MODEL_ALIAS", str, "the model's name in the API (default: the file's stem)"),
     "shutdown_timeout": ("LLAMA_CACHE_SHUTDOWN_TIMEOUT", float,

@@ -79,7 +79,7 @@ class ServerMetrics:
     """The counters and histograms of one app, in their own :class:`CollectorRegistry`.
 
     Args:
-        caches: returns ``(tier, cache)`` pairs to report (``tier`` is ``"ram"`` or ``"disk"``).
+        caches: returns ``(tier, cache)`` pairs to report (``tier`` is ``"ram"``, ``"disk"`` or ``"redis"``).
         queue_depth, running, slots: read the pool at scrape time.
 
     Thread-safe (prometheus-client's metrics are).
