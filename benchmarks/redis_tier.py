@@ -382,7 +382,8 @@ def bench_round_trips(server: Any, sizes: list[int], lookups: int) -> dict[str, 
         ["keys", "entries", "Redis keys", "hit: trips / latency", "match_length", "miss", "first lookup of a client",
          "store: trips"],
         [[r["shape"], r["entries"], r["redis_keys"], f"{r['hit_round_trips']:.2f} / {r['hit_us']:,.0f} us",
-          f"{r['match_round_trips']:.2f} / {r['match_us']:,.0f} us", f"{r['miss_round_trips']:.2f} / {r['miss_us']:,.0f} us",
+          f"{r['match_round_trips']:.2f} / {r['match_us']:,.0f} us",
+          f"{r['miss_round_trips']:.2f} / {r['miss_us']:,.0f} us",
           f"{r['first_lookup_round_trips']} / {r['first_lookup_us']:,.0f} us", f"{r['store_round_trips']:.2f}"]
          for r in results],
     )
@@ -569,8 +570,9 @@ def system_prompt(llm: Any, target: int) -> tuple[str, int]:
     while len(llm.tokenize(" ".join(sections).encode(), add_bos=False)) < target + 50:
         topic = _TOPICS[(len(sections) - 1) % len(_TOPICS)]
         rules = "; ".join(rule.format(
-            days=rng.choice([14, 30, 60]), lo=rng.randint(2, 4), hi=rng.randint(5, 10), amount=rng.choice([50, 80, 150]),
-            page=rng.choice(_PAGES), tag=f"{topic.split()[0].upper()}-{rng.randint(10, 99)}",
+            days=rng.choice([14, 30, 60]), lo=rng.randint(2, 4), hi=rng.randint(5, 10),
+            amount=rng.choice([50, 80, 150]), page=rng.choice(_PAGES),
+            tag=f"{topic.split()[0].upper()}-{rng.randint(10, 99)}",
         ) for rule in rng.sample(_RULES, 3))
         sections.append(f"Section {len(sections)}, {topic}: {rules}.")
     words = " ".join(sections).split(" ")
@@ -662,7 +664,8 @@ def bench_memory(server: Any, conversations: int, turns: int, system_tokens: int
         for user in range(conversations):
             messages = [{"role": "system", "content": system}]
             for i in range(turn):
-                messages += [{"role": "user", "content": asked[user][i]}, {"role": "assistant", "content": answers[user][i]}]
+                messages += [{"role": "user", "content": asked[user][i]},
+                             {"role": "assistant", "content": answers[user][i]}]
             messages.append({"role": "user", "content": asked[user][turn]})
             llm.reset()  # a shared server model serves other users between turns
             timing = timed_chat_completion(llm, messages, max_tokens=max_tokens, temperature=0.0, seed=0)
@@ -707,14 +710,17 @@ def bench_memory(server: Any, conversations: int, turns: int, system_tokens: int
     mib = 2**20
     table(
         f"Redis memory, dedup workload: {conversations} conversations x {turns} turns, {system_count}-token system "
-        f"prompt ({len(rows)} completions, {cache.stores} states stored, {stats.entries} entries, {len(chunk_keys)} chunks)",
+        f"prompt ({len(rows)} completions, {cache.stores} states stored, {stats.entries} entries, "
+        f"{len(chunk_keys)} chunks)",
         ["measure", "MiB", "x floor"],
         [
-            [f"floor: {len(cache.prefixes):,} unique tokens x {cache.bytes_per_token:,} B", f"{floor / mib:.1f}", "1.00"],
+            [f"floor: {len(cache.prefixes):,} unique tokens x {cache.bytes_per_token:,} B", f"{floor / mib:.1f}",
+             "1.00"],
             ["INFO used_memory, after - before", f"{out['used_memory_delta'] / mib:.1f}",
              f"{out['used_memory_delta_vs_floor']:.3f} (target <= {MEMORY_TARGET}: {verdict(out['target_met'])})"],
             ["MEMORY USAGE of every key", f"{key_bytes / mib:.1f}", f"{out['keys_memory_usage_vs_floor']:.3f}"],
-            ["the cache's unique bytes (chunks + heads)", f"{unique_bytes / mib:.1f}", f"{out['cache_unique_bytes_vs_floor']:.3f}"],
+            ["the cache's unique bytes (chunks + heads)", f"{unique_bytes / mib:.1f}",
+             f"{out['cache_unique_bytes_vs_floor']:.3f}"],
             ["chunk values alone", f"{chunk_value_bytes / mib:.1f}", f"{out['chunk_value_bytes_vs_floor']:.3f}"],
         ],
     )
@@ -787,7 +793,7 @@ def main() -> int:
 
     started = time.perf_counter()
     results: dict[str, Any] = {
-        "benchmark": "redis_tier", "command": "tools/run python benchmarks/redis_tier.py" + (" --quick" if quick else ""),
+        "benchmark": "redis_tier", "command": "tools/run python benchmarks/redis_tier.py " + " ".join(sys.argv[1:]),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                     "load_average_start": os.getloadavg(), "llama_threads": args.threads},
     }
@@ -797,8 +803,8 @@ def main() -> int:
         if "ttft" in sections or "transfer" in sections:
             llm = load_model(2048, args.threads)
             state, tokens = prompt_state(llm, prompt_tokens)
-            print(f"  state of the {len(tokens)}-token prompt made ({state.layout.bytes_per_token:,} B of KV per token)",
-                  file=sys.stderr)
+            print(f"  state of the {len(tokens)}-token prompt made "
+                  f"({state.layout.bytes_per_token:,} B of KV per token)", file=sys.stderr)
         if "ttft" in sections:
             server.cli("flushall")
             results["ttft"] = bench_ttft(server, llm, state, tokens, Path(tmp), repeat, args.threads)
