@@ -96,6 +96,31 @@ def load_model(n_ctx: int, threads: int) -> Any:
                              verbose=False, seed=0)
 
 
+class RoundTrips:
+    """Counts a Redis cache's round trips from now on, without those of ``stats()`` itself.
+
+    ``stats()`` talks to Redis too, and whether its reply counts its own round trips is the library's
+    business: what one call adds to later readings is measured here, twice in a row. Nothing else
+    may call ``stats()`` on the cache between the construction and :meth:`since`.
+    """
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        first = cache.stats().round_trips
+        self.own = cache.stats().round_trips - first
+        self.calls = 2
+        self.start = self._read()
+
+    def _read(self) -> int:
+        value = self.cache.stats().round_trips - self.own * self.calls
+        self.calls += 1
+        return int(value)
+
+    def since(self) -> int:
+        """Round trips made since the construction (by anything but these readings)."""
+        return self._read() - self.start
+
+
 def used_memory(server: Any) -> dict[str, int]:
     """``INFO memory``'s byte counts."""
     fields = {}
@@ -150,9 +175,10 @@ def first_lookup_round_trips(url: str, fingerprint: str, prompt: list[int]) -> i
     from llama_cache import LlamaRedisCache
 
     cache = LlamaRedisCache(url, fingerprint=fingerprint)
-    before = cache.stats().round_trips
+    cache.stats()  # connects
+    counter = RoundTrips(cache)
     cache.lookup_prefix(prompt)
-    trips = cache.stats().round_trips - before - 2  # minus the first stats() call's own
+    trips = counter.since()
     cache.close()
     return trips
 
@@ -305,12 +331,12 @@ def synthetic_state(tokens: np.ndarray, fingerprint: str, row: int = 2) -> Any:
 def _per_call(cache: Any, calls: list[Any]) -> tuple[float, float]:
     """Round trips per call and median microseconds per call of ``calls`` (zero-argument functions)."""
     times = []
-    before = cache.stats().round_trips
+    counter = RoundTrips(cache)
     for call in calls:
         start = time.perf_counter()
         call()
         times.append(time.perf_counter() - start)
-    trips = cache.stats().round_trips - before - 2  # the stats() call itself: len and size
+    trips = counter.since()
     return trips / len(calls), 1e6 * statistics.median(times)
 
 
@@ -335,12 +361,12 @@ def round_trips_for(server: Any, shape: str, sizes: list[int], lookups: int) -> 
     held, fill_s = 0, 0.0
     for n in sizes:
         start = time.perf_counter()
-        trips = filler.stats().round_trips
+        counter = RoundTrips(filler)
         for i in range(held, n):
             key = keys.key(i)
             filler[key] = synthetic_state(key, fingerprint)
         fill_s += time.perf_counter() - start
-        store_trips = (filler.stats().round_trips - trips - 2) / max(1, n - held)
+        store_trips = counter.since() / max(1, n - held)
         held = n
         assert len(filler) == n, (len(filler), n)
         # A new client, as another process would be: its first lookup also reads the namespace record.
@@ -349,11 +375,11 @@ def round_trips_for(server: Any, shape: str, sizes: list[int], lookups: int) -> 
         queries = [keys.query(int(i)) for i in rng.integers(0, n, lookups)]
         misses = [keys.miss(i) for i in range(lookups)]
         expected = len(keys.key(0))
-        first = cache.stats().round_trips
+        counter = RoundTrips(cache)
         start = time.perf_counter()
         assert cache[queries[0]].n_tokens == expected
         first_us = 1e6 * (time.perf_counter() - start)
-        first_trips = cache.stats().round_trips - first - 2
+        first_trips = counter.since()
         hit_trips, hit_us = _per_call(cache, [lambda q=q: cache[q] for q in queries])
         match_trips, match_us = _per_call(cache, [lambda q=q: cache.match_length(q) for q in queries])
         miss_trips, miss_us = _per_call(cache, [lambda q=q: q in cache for q in misses])
@@ -434,13 +460,13 @@ def bench_transfer(server: Any, state: Any, repeat: int, requests: int) -> dict[
             if step == "ours":
                 cache.clear()
                 fresh = variant(state, rep)
-                before = cache.stats()
+                writes = cache.stats().writes
+                counter = RoundTrips(cache)
                 start = time.perf_counter()
                 cache[fresh.tokens] = fresh
                 store_s = time.perf_counter() - start
-                after = cache.stats()
-                assert after.writes == before.writes + 1
-                add("store_round_trips", after.round_trips - before.round_trips - 2)
+                add("store_round_trips", counter.since())
+                assert cache.stats().writes == writes + 1
                 keys = sorted(client.scan_iter(match=b"llc:c:*", count=1000))
                 sizes = _pipelined(client, "strlen", keys)
                 chunk_bytes = sum(sizes)
