@@ -34,10 +34,11 @@ no ``maxmemory``) serves every section, emptied (``FLUSHALL``) before each. Sect
    on the same server (``-c 1 -P 1``, ``-c 1 -P 16`` and ``-c 4``: the best of them), and redis-py's own
    pipelined SET / GET of the same values (the client library's share). Target: at least 50% of
    redis-benchmark's MB/s, for stores and for lookups.
-4. **memory** - the workload of the chunk-storage issue (#10) against Redis: ``--conversations`` users (20)
-   sharing a ``--system-tokens`` system prompt (1,000), ``--turns`` questions each (5; 40-100 words),
-   interleaved round-robin as greedy streamed chat completions (``--max-tokens`` 48) on one default-model
-   ``llama_cache.Llama`` (``n_ctx`` 4096) whose only cache is ``LlamaRedisCache``. Reported: ``INFO memory``
+4. **memory** - the workload of the chunk-storage issue (#10), from ``benchmarks/dedup.py`` (its generator
+   and its run): ``--conversations`` users (20) sharing a ``--system-tokens`` system prompt (1,000),
+   ``--turns`` questions each (5; 40-100 words), interleaved round-robin as greedy streamed chat
+   completions (``--max-tokens`` 48) on one default-model ``llama_cache.Llama`` (``n_ctx`` 4096) whose
+   only cache is ``LlamaRedisCache``. Reported: ``INFO memory``
    ``used_memory`` after the workload minus before (the server idle both times), the keys' own
    ``MEMORY USAGE``, and the cache's unique bytes (chunk and head values, each once), against the floor
    ``unique tokens x KV bytes per token`` (unique tokens: the distinct prefixes of every stored state's
@@ -56,7 +57,6 @@ import io
 import json
 import os
 import platform
-import random
 import shutil
 import statistics
 import subprocess
@@ -546,160 +546,30 @@ def _pipelined(client: Any, command: str, keys: list[bytes]) -> list[Any]:
 
 # -- 4. memory for the dedup workload ---------------------------------------------------------------------
 
-_INTRO = (
-    "You are the support assistant of Alder & Finch, a company that sells, rents and repairs bicycles, "
-    "e-bikes and outdoor gear through twelve shops and an online store. Follow the policies below exactly; "
-    "when they do not cover a question, say so and offer to forward it to a colleague."
-)
-_TOPICS = ["returns", "warranty claims", "repairs", "deliveries", "e-bike batteries", "rentals", "gift cards",
-           "price matching", "trade-ins", "workshop appointments", "refunds", "frame sizing", "loyalty points"]
-_RULES = [
-    "ask for the order number and the date of purchase before anything else",
-    "accept requests made within {days} days of delivery; after that the shop manager decides",
-    "never promise a date, give the usual range of {lo} to {hi} working days instead",
-    "costs above {amount} euros need written approval from the shop manager before work starts",
-    "point the customer to the page '{page}' on the website and quote its title exactly",
-    "record the conversation in the ticket system under the tag {tag}",
-    "premium members are served first and pay no handling fee",
-    "if there is a safety problem, tell the customer to stop using the product at once",
-]
-_PAGES = ["Our promise", "Care and repair", "Before you ride", "Service and support"]
-_ITEMS = ["a cargo e-bike", "a touring bicycle", "a two-person tent", "a child trailer", "a folding bike",
-          "a pair of hiking boots", "an e-bike battery pack", "a down sleeping bag", "a gravel bike",
-          "a bike rack for my car", "a set of panniers", "a rain jacket", "a camping stove"]
-_PROBLEMS = ["it makes a grinding noise whenever I change gears", "the zip broke the second time I used it",
-             "the battery lasts barely half as long as promised", "a seam started leaking in light rain",
-             "the brakes squeal and feel much weaker than at the start", "the display keeps switching off"]
-_SENTENCES = [
-    "I use it mainly for {use}, usually {freq}, so I really need it to work reliably.",
-    "Before writing to you I already tried {attempt}, but nothing changed at all.",
-    "The receipt says the order number is {order}, and I still have the original box and manual.",
-    "A friend told me that {rumour}, but I would rather hear it from you directly.",
-    "My budget is rather tight this month, so I would like to understand the costs before I decide.",
-    "I live about forty minutes away from the nearest shop and do not have a car during the week.",
-    "Your colleague on the phone was friendly but could not tell me more than that someone would call back.",
-]
-_ASKS = [
-    "Could you explain what my options are under your {topic} policy and what I should do first?",
-    "How long would that usually take, and can I keep using it in the meantime?",
-    "What would it cost me if it turns out not to be covered?",
-    "Is there anything I should bring to the shop, or can everything be done online?",
-    "Can you summarise the next steps for me in a few short points?",
-    "Would it be better to ask for a refund instead, and how exactly does that work?",
-]
-
-
-def system_prompt(llm: Any, target: int) -> tuple[str, int]:
-    """A support policy of at most ``target`` tokens (within a word of it), and its token count."""
-    rng = random.Random(10)
-    sections = [_INTRO]
-    while len(llm.tokenize(" ".join(sections).encode(), add_bos=False)) < target + 50:
-        topic = _TOPICS[(len(sections) - 1) % len(_TOPICS)]
-        rules = "; ".join(rule.format(
-            days=rng.choice([14, 30, 60]), lo=rng.randint(2, 4), hi=rng.randint(5, 10),
-            amount=rng.choice([50, 80, 150]), page=rng.choice(_PAGES),
-            tag=f"{topic.split()[0].upper()}-{rng.randint(10, 99)}",
-        ) for rule in rng.sample(_RULES, 3))
-        sections.append(f"Section {len(sections)}, {topic}: {rules}.")
-    words = " ".join(sections).split(" ")
-    while True:
-        text = " ".join(words)
-        count = len(llm.tokenize(text.encode(), add_bos=False))
-        if count <= target:
-            return text, count
-        words.pop()
-
-
-def questions(user: int, turns: int) -> list[str]:
-    """``turns`` questions of 40-100 words from one user about one purchase."""
-    rng = random.Random(1000 + user)
-    slots = {
-        "item": _ITEMS[user % len(_ITEMS)], "problem": rng.choice(_PROBLEMS), "topic": rng.choice(_TOPICS),
-        "use": rng.choice(["commuting", "weekend trips with my kids", "camping", "grocery shopping"]),
-        "freq": rng.choice(["every day", "three times a week", "most weekends"]),
-        "attempt": rng.choice(["the steps from the manual", "charging it overnight", "cleaning and drying it"]),
-        "order": f"AF-{rng.randint(100000, 999999)}",
-        "rumour": rng.choice(["such problems are always covered", "the workshop is booked out for weeks"]),
-    }
-    out = []
-    for turn in range(turns):
-        opening = ["I bought {item} from your shop a few weeks ago, and {problem}."] if turn == 0 else []
-        ask = _ASKS[(user + turn) % len(_ASKS)]
-        text: list[str] = []
-        for sentence in opening + rng.sample(_SENTENCES, len(_SENTENCES)):
-            if len(" ".join(text + [sentence, ask]).split()) > 100:
-                break
-            text.append(sentence)
-            if len(" ".join(text + [ask]).split()) >= 40 and rng.random() < 0.5:
-                break
-        out.append(" ".join(text + [ask]).format(**slots))
-    return out
-
-
-class PrefixSet:
-    """The distinct prefixes of token sequences (a trie of node ids): the tokens whose KV must exist once."""
-
-    def __init__(self) -> None:
-        self.edges: dict[tuple[int, int], int] = {}
-
-    def add(self, tokens: np.ndarray) -> None:
-        node = 0
-        for token in tokens.tolist():
-            child = self.edges.get((node, token))
-            if child is None:
-                child = self.edges[(node, token)] = len(self.edges) + 1
-            node = child
-
-    def __len__(self) -> int:
-        return len(self.edges)
-
-
 def bench_memory(server: Any, conversations: int, turns: int, system_tokens: int, max_tokens: int,
                  threads: int) -> dict[str, Any]:
+    """``benchmarks/dedup.py``'s workload, run the same way, with ``LlamaRedisCache`` as the only cache."""
     import redis
 
+    from benchmarks.dedup import PrefixSet, RecordingCache, Workload, _questions, _system_text, run_ours
     from llama_cache import LlamaRedisCache
-    from llama_cache.measure import timed_chat_completion
-
-    class RecordingRedisCache(LlamaRedisCache):
-        """Records the tokens of every state stored (the floor's unique tokens) and its layout."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.prefixes, self.bytes_per_token, self.stores = PrefixSet(), 0, 0
-
-        def __setitem__(self, key: Any, value: Any) -> None:
-            if getattr(value, "layout", None) is not None:
-                self.prefixes.add(np.asarray(value.tokens))
-                self.bytes_per_token = value.layout.bytes_per_token
-                self.stores += 1
-            super().__setitem__(key, value)
 
     server.cli("flushall")
     llm = load_model(4096, threads)
-    system, system_count = system_prompt(llm, system_tokens)
-    asked = [questions(user, turns) for user in range(conversations)]
-    answers: list[list[str]] = [[] for _ in range(conversations)]
+    system, system_count = _system_text(llm, system_tokens)
+    workload = Workload(system, system_count, [_questions(user, turns) for user in range(conversations)], turns)
     time.sleep(0.5)
     before = used_memory(server)
-    cache = RecordingRedisCache(server.url, capacity_bytes=1 << 40, fingerprint=llm.fingerprint, timeout=30)
-    llm.set_cache(cache)
-    rows = []
+    cache = LlamaRedisCache(server.url, capacity_bytes=1 << 40, fingerprint=llm.fingerprint, timeout=30)
+    recorder = RecordingCache(cache, keep_states=False)
+    llm.set_cache(recorder)
     start = time.perf_counter()
-    for turn in range(turns):
-        for user in range(conversations):
-            messages = [{"role": "system", "content": system}]
-            for i in range(turn):
-                messages += [{"role": "user", "content": asked[user][i]},
-                             {"role": "assistant", "content": answers[user][i]}]
-            messages.append({"role": "user", "content": asked[user][turn]})
-            llm.reset()  # a shared server model serves other users between turns
-            timing = timed_chat_completion(llm, messages, max_tokens=max_tokens, temperature=0.0, seed=0)
-            answers[user].append(timing.text)
-            rows.append({"user": user, "turn": turn, "prompt_tokens": llm.last_prompt_length,
-                         "evaluated": timing.prompt_tokens_evaluated, "ttft_ms": 1e3 * timing.ttft_s})
-        print(f"  memory: turn {turn + 1}/{turns} of {conversations} conversations done "
-              f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    rows = run_ours(llm, recorder, workload, conversations, max_tokens)
+    prefixes = PrefixSet()
+    for store in recorder.stores:
+        prefixes.add(store.tokens)
+    assert recorder.last is not None
+    bytes_per_token = recorder.last[1].layout.bytes_per_token
     llm.set_cache(None)
     stats = cache.stats()
     unique_bytes = cache.cache_size
@@ -712,11 +582,11 @@ def bench_memory(server: Any, conversations: int, turns: int, system_tokens: int
     client.close()
     time.sleep(0.5)
     after = used_memory(server)
-    floor = len(cache.prefixes) * cache.bytes_per_token
+    floor = len(prefixes) * bytes_per_token
     out = {
         "conversations": conversations, "turns": turns, "system_tokens": system_count, "max_tokens": max_tokens,
-        "completions": rows, "stores": cache.stores, "entries": stats.entries, "chunks": len(chunk_keys),
-        "redis_keys": len(keys), "unique_tokens": len(cache.prefixes), "kv_bytes_per_token": cache.bytes_per_token,
+        "completions": rows, "stores": len(recorder.stores), "entries": stats.entries, "chunks": len(chunk_keys),
+        "redis_keys": len(keys), "unique_tokens": len(prefixes), "kv_bytes_per_token": bytes_per_token,
         "floor_bytes": floor, "used_memory_before": before.get("used_memory", 0),
         "used_memory_after": after.get("used_memory", 0),
         "used_memory_delta": after.get("used_memory", 0) - before.get("used_memory", 0),
@@ -736,11 +606,11 @@ def bench_memory(server: Any, conversations: int, turns: int, system_tokens: int
     mib = 2**20
     table(
         f"Redis memory, dedup workload: {conversations} conversations x {turns} turns, {system_count}-token system "
-        f"prompt ({len(rows)} completions, {cache.stores} states stored, {stats.entries} entries, "
+        f"prompt ({len(rows)} completions, {len(recorder.stores)} states stored, {stats.entries} entries, "
         f"{len(chunk_keys)} chunks)",
         ["measure", "MiB", "x floor"],
         [
-            [f"floor: {len(cache.prefixes):,} unique tokens x {cache.bytes_per_token:,} B", f"{floor / mib:.1f}",
+            [f"floor: {len(prefixes):,} unique tokens x {bytes_per_token:,} B", f"{floor / mib:.1f}",
              "1.00"],
             ["INFO used_memory, after - before", f"{out['used_memory_delta'] / mib:.1f}",
              f"{out['used_memory_delta_vs_floor']:.3f} (target <= {MEMORY_TARGET}: {verdict(out['target_met'])})"],
