@@ -379,3 +379,14 @@ def test_a_second_process_with_its_own_ram_tier_hits_what_the_first_computed(fre
 def test_a_second_process_hits_through_a_redis_cluster() -> None:
     with RedisCluster(3) as cluster:
         _two_processes(cluster.url)
+
+
+def test_a_new_client_cuts_chains_as_the_namespace_records(fresh: RedisServer) -> None:
+    first = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=32)
+    state = make_cut_state(range(100), 100 * 400)
+    first[range(40)] = state.prefix(40, None)
+    second = LlamaRedisCache(fresh.url, 10**8, fingerprint="test")  # default chunk length: 256 here
+    second[range(100)] = state  # before any lookup of its own
+    assert second.stats().writes == 1 and second.stats().store_errors == 0
+    found = first[range(100)]
+    assert found.n_tokens == 100 and np.array_equal(found.seq_bytes(), state.seq_bytes())

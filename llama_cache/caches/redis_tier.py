@@ -481,6 +481,13 @@ class LlamaRedisCache(BaseLlamaCache):
         layout = state.layout
         assert layout is not None
         known = self._layouts.get(fingerprint)
+        if known is None and self.chunk_tokens is None:
+            # Chains must be cut as the namespace's are: read its record once (one round trip).
+            record = self._call("store", lambda: self._client.hmget(_meta_key(fingerprint, "meta"),
+                                                                    ["layout", "chunk_tokens", "seed"]), store=True)
+            info = self._namespace_info(record) if record is not None else None
+            if info is not None:
+                self._layouts[fingerprint] = known = info
         chunk_tokens = self.chunk_tokens or (known[1] if known is not None else default_chunk_tokens(layout))
         tokens = np.asarray(state.tokens, dtype=np.int32)
         if len(tokens) > _MAX_TOKENS:
