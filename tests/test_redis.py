@@ -390,3 +390,20 @@ def test_a_new_client_cuts_chains_as_the_namespace_records(fresh: RedisServer) -
     assert second.stats().writes == 1 and second.stats().store_errors == 0
     found = first[range(100)]
     assert found.n_tokens == 100 and np.array_equal(found.seq_bytes(), state.seq_bytes())
+
+
+def test_among_many_branches_the_one_sharing_most_answers(fresh: RedisServer) -> None:
+    cache = LlamaRedisCache(fresh.url, 10**9, fingerprint="test", chunk_tokens=8)
+    base = list(range(100, 116))  # two full chunks every entry shares
+    states = {}
+    for i in range(60):
+        tokens = [*base, i, i, i]
+        states[i] = make_cut_state(tokens, 19 * 120)
+        cache[tokens] = states[i]
+    before = cache.stats().round_trips
+    found = cache[[*base, 42, 42, 7]]
+    assert cache.stats().round_trips - before - 1 == 2
+    assert found.tokens.tolist() == [*base, 42, 42]
+    # The branch's own positions (16, 17) come from entry 42's chunk: the last layer's last two V rows.
+    row = found.layout.v_row_bytes[-1]
+    assert np.array_equal(found.seq_bytes()[-2 * row :], states[42].prefix(18, None).seq_bytes()[-2 * row :])

@@ -109,8 +109,18 @@ local function release(id)
     local meta = redis.call('HGET', info, id)
     if meta then
       local size, prev = string.match(meta, '^(%d+):(%x*)$')
+      prev = prev or ''
+      local tokens = redis.call('HGET', prefix .. 't:' .. prev, id)
+      if tokens then
+        for at = 4, #tokens, 4 do
+          local field = string.sub(tokens, 1, at)
+          if redis.call('HGET', prefix .. 'p:' .. prev, field) == id then
+            redis.call('HDEL', prefix .. 'p:' .. prev, field)
+          end
+        end
+      end
       redis.call('HDEL', info, id)
-      redis.call('HDEL', prefix .. 't:' .. (prev or ''), id)
+      redis.call('HDEL', prefix .. 't:' .. prev, id)
       redis.call('DECRBY', bytes, tonumber(size or '0'))
     end
     freed[#freed + 1] = id
@@ -133,6 +143,12 @@ for i = 0, n - 1 do
   if redis.call('HINCRBY', refs, id, 1) == 1 then
     redis.call('HSET', info, id, size .. ':' .. prev)
     redis.call('HSET', prefix .. 't:' .. prev, id, tokens)
+    -- Every prefix of its tokens names it (unless another chunk holding that prefix already does):
+    -- a lookup finds the child sharing most of its remaining tokens in one HMGET, whatever the
+    -- number of children.
+    for at = 4, #tokens, 4 do
+      redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id)
+    end
     redis.call('INCRBY', bytes, tonumber(size))
   end
   ids[#ids + 1] = id
@@ -378,26 +394,37 @@ class LlamaRedisCache(BaseLlamaCache):
     # -------------------------------------------------------------------------------- lookups
 
     def _find(self, query: npt.NDArray[np.int32]) -> _Plan | None:
-        """Round trip 1: the longest prefix of ``query`` the namespace's metadata knows chunks for."""
+        """The longest prefix of ``query`` the namespace's metadata knows chunks for.
+
+        One round trip asks, for each of the query's full chunks, whether its id is stored (one field
+        of its predecessor's prefix index), and which child of the last one shares most of the
+        query's remaining tokens (one field per remaining token); a second is needed only when the
+        chain breaks earlier, to ask the same of the chunk where it breaks. The cost of each is the
+        query's length, whatever the number of entries or of children.
+        """
         fingerprint = self._fingerprint
         if fingerprint is None or not len(query):
             return None
         known = self._layouts.get(fingerprint)
         size = self.chunk_tokens or (known[1] if known is not None else None)
+        ids = chain_ids(fingerprint, query, size) if size else []
+        blob = np.ascontiguousarray(query, dtype="<i4").tobytes()
 
         def run() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
             pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens", "seed"])
             pipe.hmget(_entry_key(fingerprint, query), ["head", "chain"])
-            ids = chain_ids(fingerprint, query, size) if size else []
-            for prev in [b"", *ids]:
-                pipe.hgetall(_children_key(fingerprint, prev))
-            return [ids, *pipe.execute()]
+            prev = b""
+            for k, ident in enumerate(ids):
+                pipe.hget(_prefixes_key(fingerprint, prev), blob[4 * k * size : 4 * (k + 1) * size])
+                prev = ident
+            _ask_children(pipe, fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
+            return pipe.execute()
 
         reply = self._call("lookup", run)
         if reply is None:
             return None
-        ids, meta, exact, *children = reply
+        meta, exact, *found = reply
         info = self._namespace_info(meta)
         if info is None:
             return None
@@ -407,7 +434,16 @@ class LlamaRedisCache(BaseLlamaCache):
             # The first lookup of this process (the chain length was unknown), or the namespace was
             # recreated meanwhile (Redis restarted): once more with the recorded length.
             return self._find(query) if size is None or self.chunk_tokens is None else None
-        return _walk(fingerprint, query, ids, children, chunk_tokens, layout, seed, exact)
+        present = found[: len(ids)]
+        unbroken = next((k for k, ident in enumerate(ids) if present[k] != ident.hex().encode()), len(ids))
+        if unbroken == len(ids):
+            children = found[len(ids)] if len(found) > len(ids) else None
+        else:
+            prev = ids[unbroken - 1] if unbroken else b""
+            rest = blob[4 * unbroken * chunk_tokens :]
+            children = self._call("lookup", lambda: _ask_children(self._client.pipeline(transaction=False),
+                                                                   fingerprint, prev, rest, chunk_tokens).execute()[0])
+        return _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
 
     def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
         plan = self._find(query)
@@ -485,7 +521,9 @@ class LlamaRedisCache(BaseLlamaCache):
             # Chains must be cut as the namespace's are: read its record once (one round trip).
             record = self._call("store", lambda: self._client.hmget(_meta_key(fingerprint, "meta"),
                                                                     ["layout", "chunk_tokens", "seed"]), store=True)
-            info = self._namespace_info(record) if record is not None else None
+            if record is None:
+                return  # Redis is unreachable: the store is skipped (counted once)
+            info = self._namespace_info(record)
             if info is not None:
                 self._layouts[fingerprint] = known = info
         chunk_tokens = self.chunk_tokens or (known[1] if known is not None else default_chunk_tokens(layout))
@@ -505,7 +543,7 @@ class LlamaRedisCache(BaseLlamaCache):
             pipe.hsetnx(_meta_key(fingerprint, "meta"), "seed", int(state.seed))
             for piece in chain:  # the values themselves: Redis may have evicted one that is still linked
                 pipe.exists(_chunk_key(piece.id))
-            pipe.hgetall(_children_key(fingerprint, chain[-1].prev))
+            pipe.hget(_prefixes_key(fingerprint, chain[-1].prev), chain[-1].tokens.astype("<i4").tobytes())
             pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens"])
             return pipe.execute()
 
@@ -522,11 +560,15 @@ class LlamaRedisCache(BaseLlamaCache):
         known_ids = {piece.id for piece, found in zip(chain, reply[3:-1]) if found}
         ids = [piece.id for piece in chain]
         last = chain[-1]
-        if last.n_tokens < chunk_tokens and last.id not in known_ids:
-            longer = _extending(reply[-1], last.tokens)
-            if longer is not None:
-                ids[-1] = longer[0]
-                known_ids.add(longer[0])
+        holder = reply[-1]  # a stored chunk after the same predecessor whose tokens start with the last's
+        if last.n_tokens < chunk_tokens and last.id not in known_ids and isinstance(holder, bytes):
+            try:
+                longer = bytes.fromhex(holder.decode())
+            except ValueError:
+                longer = b""
+            if len(longer) == ID_BYTES and longer != last.id:
+                ids[-1] = longer
+                known_ids.add(longer)
         values: dict[bytes, memoryview] = {}
         for piece in chain:
             if piece.id not in known_ids and piece.id in ids:
@@ -631,34 +673,36 @@ class _Plan:
         self.head = head
 
 
-def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], children: list[Any], chunk_tokens: int,
+def _ask_children(pipe: Any, fingerprint: str, prev: bytes, rest: bytes, size: int | None) -> Any:
+    """Queue the question "which child of ``prev`` holds each prefix of ``rest``'s first chunk"."""
+    if size:
+        head = rest[: 4 * size]
+        pipe.hmget(_prefixes_key(fingerprint, prev), [head[: 4 * n] for n in range(1, len(head) // 4 + 1)] or [b""])
+    return pipe
+
+
+def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], children: Any, chunk_tokens: int,
           layout: KVLayout, seed: int, exact: Any) -> _Plan:
-    """The longest chain of known chunks on the query's path, then the child sharing most of the rest."""
+    """The query's stored full chunks ``ids``, then the child sharing most of the rest (``children``:
+    the ids holding each prefix of the rest, shortest first)."""
     chunks: list[tuple[bytes, bytes, int]] = []
     prev = b""
-    position = 0
     for k, ident in enumerate(ids):
-        if not isinstance(children[k], dict) or ident.hex().encode() not in children[k]:
-            break
         chunks.append((ident, prev, k * chunk_tokens))
         prev = ident
-        position = (k + 1) * chunk_tokens
-    rest = query[position : position + chunk_tokens]
+    position = len(ids) * chunk_tokens
     best, shared = None, 0
-    if len(rest) and len(children) > len(chunks) and isinstance(children[len(chunks)], dict):
-        for name, blob in children[len(chunks)].items():
-            if not isinstance(blob, bytes) or len(blob) % 4 or not blob:
-                continue
-            held = np.frombuffer(blob, dtype="<i4")
-            n = min(len(held), len(rest))
-            differs = np.flatnonzero(held[:n] != rest[:n])
-            common = int(differs[0]) if len(differs) else n
-            if common > shared:
+    if isinstance(children, list):
+        # The longest prefix some child holds (a shorter one may be gone with another child).
+        for n in range(len(children), 0, -1):
+            name = children[n - 1]
+            if isinstance(name, bytes) and len(name) == 2 * ID_BYTES:
                 try:
-                    best, shared = bytes.fromhex(name.decode()), common
+                    best, shared = bytes.fromhex(name.decode()), n
+                    break
                 except ValueError:
                     continue
-    if best is not None and len(best) == ID_BYTES:
+    if best is not None and position + shared <= len(query):
         chunks.append((best, prev, position))
         position += shared
     head = None
@@ -700,8 +744,13 @@ def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
     for ident, meta in info.items():
         size, _, prev = meta.partition(b":")
         if ident not in linked:
+            parent = prev.decode(errors="replace")
+            tokens = client.hget(prefix + "t:" + parent, ident) or b""
+            for at in range(4, len(tokens) + 1, 4):
+                if client.hget(prefix + "p:" + parent, tokens[:at]) == ident:
+                    client.hdel(prefix + "p:" + parent, tokens[:at])
             client.hdel(prefix + "info", ident)
-            client.hdel(prefix + "t:" + prev.decode(errors="replace"), ident)
+            client.hdel(prefix + "t:" + parent, ident)
             removed += client.delete(b"llc:c:" + ident)
         elif size.isdigit():
             sizes[ident] = int(size)
@@ -723,24 +772,6 @@ def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
     return removed
 
 
-def _extending(children: Any, tokens: npt.NDArray[np.int32]) -> tuple[bytes, int] | None:
-    """A known chunk among ``children`` whose tokens start with ``tokens`` (the longest)."""
-    if not isinstance(children, dict):
-        return None
-    best: tuple[bytes, int] | None = None
-    for name, blob in children.items():
-        if not isinstance(blob, bytes) or len(blob) % 4 or len(blob) // 4 < len(tokens):
-            continue
-        held = np.frombuffer(blob, dtype="<i4")
-        if np.array_equal(held[: len(tokens)], tokens) and (best is None or len(held) > best[1]):
-            try:
-                best = (bytes.fromhex(name.decode()), len(held))
-            except ValueError:
-                continue
-    return best
-
-
-@functools.lru_cache(maxsize=64)
 def _parse_layout(text: bytes) -> KVLayout:
     """A namespace record's layout, parsed and validated once per distinct text."""
     return layout_from_json(json.loads(text))
@@ -768,6 +799,10 @@ def _meta_key(fingerprint: str, name: str) -> str:
 
 def _chunk_key(ident: bytes) -> bytes:
     return b"llc:c:" + ident.hex().encode()
+
+
+def _prefixes_key(fingerprint: str, prev: bytes) -> str:
+    return _prefix(fingerprint) + "p:" + prev.hex()
 
 
 def _children_key(fingerprint: str, prev: bytes) -> str:
