@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llama_cache import Llama, LlamaDiskCache, LlamaRAMCache, default_model_path
 from llama_cache.server import ServerConfig, create_app, load_engine
+from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, physical_cores
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -87,8 +88,9 @@ def server() -> Iterator[_LiveServer]:
 
 @pytest.fixture(scope="module")
 def reference() -> Iterator[Llama]:
-    """The library's own Llama, as a user would call it, for expected answers."""
-    llama = Llama(model_path=str(default_model_path()), n_ctx=N_CTX, verbose=False, cache=LlamaRAMCache())
+    """The library's own Llama, as a user would call it with the server's settings, for expected answers."""
+    options = ServerConfig(n_ctx=N_CTX).context_options()
+    llama = Llama(model_path=str(default_model_path()), verbose=False, cache=LlamaRAMCache(), **options)
     yield llama
     llama.close()
 
@@ -427,3 +429,39 @@ def test_settings_come_from_options_then_environment_then_defaults() -> None:
         config_from_args(args, {"LLAMA_CACHE_N_CTX": "many"})
     with pytest.raises(ValueError, match="parallel"):
         config_from_args(parser.parse_args(["serve", "--parallel", "0"]), {})
+
+
+def test_threads_flash_attention_and_body_limit_settings() -> None:
+    import argparse
+
+    from llama_cache.server.config import add_serve_command, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_command(parser.add_subparsers(), [])
+    default = config_from_args(parser.parse_args(["serve"]), {})
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+    options = default.context_options()
+    # llama-server's defaults: a thread per physical core for prompts and generation alike, flash attention.
+    assert (options["n_threads"], options["n_threads_batch"]) == (physical_cores(), physical_cores())
+    assert options["flash_attn"] is True and default.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 8 << 20
+    for argv, environ in ((["serve", "--threads", "3"], {}), (["serve", "--n-threads", "3"], {}),
+                          (["serve"], {"LLAMA_CACHE_THREADS": "3"})):
+        options = config_from_args(parser.parse_args(argv), environ).context_options()
+        assert (options["n_threads"], options["n_threads_batch"]) == (3, 3)
+    config = config_from_args(parser.parse_args(["serve", "--flash-attn", "off", "--max-body-bytes", "1024"]), {})
+    assert (config.flash_attn, config.max_body_bytes) == (False, 1024)
+    assert config_from_args(parser.parse_args(["serve"]), {"LLAMA_CACHE_FLASH_ATTN": "off"}).flash_attn is False
+    with pytest.raises(ValueError, match="LLAMA_CACHE_FLASH_ATTN"):
+        config_from_args(parser.parse_args(["serve"]), {"LLAMA_CACHE_FLASH_ATTN": "maybe"})
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        config_from_args(parser.parse_args(["serve", "--max-body-bytes", "0"]), {})
+
+
+def test_the_contexts_run_with_the_configured_threads_and_flash_attention(server: _LiveServer) -> None:
+    import llama_cpp
+
+    for slot in server.engine.pool.slots:
+        params = slot.llama.context_params
+        assert (params.n_threads, params.n_threads_batch) == (physical_cores(), physical_cores())
+        assert (params.n_batch, params.n_ubatch) == (512, 512)
+        assert params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED

@@ -99,12 +99,10 @@ def load_engine(config: ServerConfig) -> Engine:
         cache, tier = LlamaDiskCache(config.cache_dir, capacity_bytes=config.cache_disk), "disk"
     else:
         cache, tier = LlamaRAMCache(capacity_bytes=config.cache_ram), "ram"
-    extra: dict[str, Any] = {}
-    if config.n_threads is not None:
-        extra.update(n_threads=config.n_threads, n_threads_batch=config.n_threads)
+    options = config.context_options()
     slots = []
     for index in range(config.parallel):
-        llama = SlotLlama(model_path=str(path), n_ctx=config.n_ctx, verbose=False, **extra)
+        llama = SlotLlama(model_path=str(path), verbose=False, **options)
         llama.set_cache(cache)  # binds an unbound disk tier to this model, with its description
         slots.append(Slot(index=index, llama=llama))
     first = slots[0].llama
