@@ -233,6 +233,71 @@ def test_the_openai_client_sees_bad_input_as_bad_request(server: _LiveServer) ->
     assert client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0).choices
 
 
+# ------------------------------------------------------------------------------------ big requests
+
+def test_a_body_over_the_limit_is_a_413_whether_declared_or_streamed(server: _LiveServer) -> None:
+    request = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
+    # Valid JSON whatever its length (trailing whitespace): only the limit can refuse it.
+    at_limit = request + b" " * (DEFAULT_MAX_BODY_BYTES - len(request))
+    over = at_limit + b" "
+    headers = {"content-type": "application/json"}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/v1/completions", content=at_limit, headers=headers).status_code == 200
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: sent chunked
+            for start in range(0, len(over), 1 << 16):
+                yield over[start : start + (1 << 16)]
+
+        for content in (over, chunks()):
+            response = http.post("/v1/completions", content=content, headers=headers)
+            assert response.status_code == 413
+            error = response.json()["error"]
+            assert (error["code"], error["type"]) == ("request_too_large", "invalid_request_error")
+            assert str(DEFAULT_MAX_BODY_BYTES) in error["message"]
+    with pytest.raises(openai.APIStatusError) as raised:
+        server.client(max_retries=0).completions.create(model="m", prompt="x" * DEFAULT_MAX_BODY_BYTES, max_tokens=1)
+    assert raised.value.status_code == 413
+    assert server.client().completions.create(model="m", prompt="Hi", max_tokens=2, temperature=0).choices
+
+
+def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
+    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tokenizer = server.engine.pool.slots[0].llama  # the one the app tokenizes prompts with
+    entered, release = threading.Event(), threading.Event()
+    tokenize = tokenizer.tokenize
+
+    def slow_tokenize(text: bytes, *args: Any, **kwargs: Any) -> list[int]:
+        if b"slow to tokenize" in text:  # stands in for a huge prompt
+            entered.set()
+            release.wait(timeout=60)
+        return tokenize(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "tokenize", slow_tokenize)
+    answers: list[int] = []
+
+    def post(path: str, body: dict[str, Any]) -> None:
+        answers.append(httpx.post(server.url + path, json=body, timeout=120).status_code)
+
+    for path, body in (("/v1/completions", {"prompt": "slow to tokenize", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "slow to tokenize"}],
+                                                 "max_tokens": 2})):
+        entered.clear()
+        release.clear()
+        slow = threading.Thread(target=post, args=(path, body))
+        slow.start()
+        try:
+            assert entered.wait(timeout=60)
+            # The event loop is free: other requests are answered while that prompt is tokenized.
+            assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+            fast = server.client(max_retries=0, timeout=60).completions.create(model="m", prompt="Hi", max_tokens=1)
+            assert fast.choices
+        finally:
+            release.set()
+            slow.join(timeout=120)
+    assert answers == [200, 200]
+
+
 # ------------------------------------------------------------------------------------ cancellation
 
 def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: _LiveServer) -> None:

@@ -35,10 +35,12 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     import uvicorn
 
     engine = load_engine(config)
-    logger.info("serving %s with %d context(s) of %d tokens, %s prompt cache", engine.model_name,
-                len(engine.pool.slots), engine.n_ctx, engine.tier)
+    options = config.context_options()
+    logger.info("serving %s with %d context(s) of %d tokens, %d threads each, flash attention %s, %s prompt cache",
+                engine.model_name, len(engine.pool.slots), engine.n_ctx, options["n_threads"],
+                "on" if options["flash_attn"] else "off", engine.tier)
     uvicorn_config = uvicorn.Config(
-        create_app(engine),
+        create_app(engine, max_body_bytes=config.max_body_bytes),
         host=config.host,
         port=config.port,
         log_level=log_level,

@@ -3,12 +3,14 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
 ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
-A completion's life: the body is validated (:mod:`.protocol`) and its prompt tokenized on the event
-loop; the request waits for a slot in FIFO order (:meth:`.SlotPool.acquire`); the completion runs in
-a worker thread (:func:`.slots.run_job`) on llama-cpp-python's own ``create_completion`` /
-``create_chat_completion``, so responses have llama-cpp-python's server's shapes. A client that
-disconnects (while queued, generating or streaming) has its generation stopped at the next token. The
-slot is released when its worker thread is done, never before, whatever happens to the request's task.
+A completion's life: the body is read (at most ``max_body_bytes``, else 413), then decoded, validated
+(:mod:`.protocol`) and its prompt tokenized in a thread, so that a huge prompt does not hold up the
+event loop and the other requests' streams; the request waits for a slot in FIFO order
+(:meth:`.SlotPool.acquire`); the completion runs in a worker thread (:func:`.slots.run_job`) on
+llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, so responses have
+llama-cpp-python's server's shapes. A client that disconnects (while queued, generating or streaming)
+has its generation stopped at the next token. The slot is released when its worker thread is done,
+never before, whatever happens to the request's task.
 
 Shutdown (the lifespan's end, after uvicorn has drained or cancelled the connections on SIGTERM):
 remaining jobs are cancelled and awaited, the prompt cache's background writes are flushed and the
@@ -38,7 +40,7 @@ from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
-from llama_cache.server.config import ServerConfig
+from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.protocol import (
     ApiError,
@@ -121,6 +123,33 @@ def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused once it passes ``limit`` bytes.
+
+    A body declared larger (``Content-Length``) is refused before any of it is read; one sent in chunks
+    is read up to the first chunk past the limit. Memory held is at most ``limit`` plus one chunk.
+
+    Raises:
+        ApiError: 413 with code ``request_too_large``.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
+
+
 class _Disconnect:
     """Watches a request's ``receive`` channel and cancels its job when the client goes away."""
 
@@ -178,8 +207,9 @@ class _EventStream(Response):
 class _Server:
     """The routes' shared state: the engine, its executor and the metrics."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_body_bytes: int) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.executor = ThreadPoolExecutor(max_workers=len(engine.pool.slots), thread_name_prefix="llama-cache-slot")
         self.metrics = ServerMetrics(
             caches=lambda: [(engine.tier, engine.cache)],
@@ -224,6 +254,11 @@ class _Server:
     # -- completions ------------------------------------------------------------------------------
 
     def _parse(self, endpoint: str, raw: bytes) -> tuple[CompletionRequest | ChatRequest, list[int]]:
+        """The validated request and its prompt's tokens. Runs in a thread, beside running completions.
+
+        Raises:
+            ApiError: 400 for bad input or a prompt that does not fit the context.
+        """
         engine = self.engine
         body = parse_json_body(raw)
         tokenizer = engine.pool.slots[0].llama  # tokenizing reads the shared vocabulary only
@@ -265,7 +300,8 @@ class _Server:
         try:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
-            parsed, tokens = self._parse(endpoint, await request.body())
+            raw = await read_body(request, self.max_body_bytes)
+            parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw)
         except ApiError as error:
             return self._answer(endpoint, _error_response(error))
         job = Job(started_at=started)
@@ -402,12 +438,16 @@ class _Refused(Exception):
         self.response = response
 
 
-def create_app(engine: Engine) -> Starlette:
+def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """The Starlette app serving ``engine``; its lifespan's end closes the engine.
+
+    Args:
+        engine: what to serve (see :func:`load_engine`).
+        max_body_bytes: completion requests with a larger body are answered 413.
 
     The app owns its :class:`~.metrics.ServerMetrics` registry (``app.state.metrics``).
     """
-    server = _Server(engine)
+    server = _Server(engine, max_body_bytes)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)
