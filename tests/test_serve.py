@@ -205,6 +205,16 @@ _BAD_REQUESTS = [
      "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}], "stream": True},
      "context_length_exceeded", "messages"),
+    # Log probabilities are refused, never silently left out of the answer.
+    ("/v1/completions", {"prompt": "x", "logprobs": 0}, "unsupported_parameter", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3, "stream": True}, "unsupported_parameter", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": "all"}, "invalid_type", "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+     "unsupported_parameter", "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+     "unsupported_parameter", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"},
+     "invalid_type", "logprobs"),
 ]
 
 
@@ -231,6 +241,18 @@ def test_the_openai_client_sees_bad_input_as_bad_request(server: _LiveServer) ->
         client.completions.create(model="m", prompt="x", max_tokens=-1)
     # Nothing is left hung: the server still answers.
     assert client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0).choices
+
+
+def test_log_probabilities_are_refused_and_their_absence_is_not(server: _LiveServer) -> None:
+    client = server.client(max_retries=0)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model="m", messages=messages, max_tokens=4, logprobs=True, top_logprobs=2)
+    assert raised.value.code == "unsupported_parameter" and "not supported" in raised.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="Hello", max_tokens=2, logprobs=1)
+    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=4, logprobs=False)
+    assert reply.choices[0].message.content is not None
 
 
 # ------------------------------------------------------------------------------------ big requests
