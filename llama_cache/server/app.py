@@ -73,9 +73,13 @@ class Engine:
     n_ctx: int
     n_vocab: int
     created: int
+    closed: bool = False
 
     def close(self) -> None:
-        """Flush the cache's background writes and free every context. Call with no job running."""
+        """Flush the cache's background writes and free every context, once. Call with no job running."""
+        if self.closed:
+            return
+        self.closed = True
         flush = getattr(self.cache, "close", None) if isinstance(self.cache, LlamaDiskCache) else None
         if flush is not None:
             flush()
