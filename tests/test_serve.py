@@ -320,6 +320,48 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
     assert answers == [200, 200]
 
 
+def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_context(
+    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saving, release = threading.Event(), threading.Event()
+    for slot in server.engine.pool.slots:
+        save_state = slot.llama.save_state
+
+        def held_save(save_state: Any = save_state) -> Any:
+            saving.set()
+            release.wait(timeout=60)
+            return save_state()
+
+        monkeypatch.setattr(slot.llama, "save_state", held_save)
+    tokenizer = server.engine.pool.slots[0].llama
+    # One token asked for: it is never evaluated, so the context then holds exactly the prompt.
+    prompt = tokenizer.tokenize(b"A stream that ends before its state is saved, about rivers:")
+    before = server.metrics()
+    events: list[str] = []
+    try:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data:")]
+        assert events[-1] == "data: [DONE]" and saving.is_set() and not release.is_set()
+        follow_up: list[Any] = []
+        more = prompt + tokenizer.tokenize(b" The longest river is", add_bos=False)
+        waiting = threading.Thread(target=lambda: follow_up.append(server.client(max_retries=0).completions.create(
+            model="m", prompt=more, max_tokens=2, temperature=0)))
+        waiting.start()
+        # The context holding the prompt is still saving: the next turn waits for it, not for another.
+        _wait_for(lambda: server.metrics()["llama_cache_queue_depth"] == 1)
+    finally:
+        release.set()
+    waiting.join(timeout=60)
+    assert follow_up and follow_up[0].choices
+    after = server.metrics()
+    cached = after["llama_cache_prompt_tokens_cached_total"] - before["llama_cache_prompt_tokens_cached_total"]
+    assert cached >= len(prompt)  # the next turn evaluated only its own tokens
+    status = 'llama_cache_requests_total{endpoint="/v1/completions",status="%s"}'
+    assert after[status % 200] - before.get(status % 200, 0) == 2
+    assert after.get(status % 499, 0) == before.get(status % 499, 0)
+
+
 # ------------------------------------------------------------------------------------ cancellation
 
 def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: _LiveServer) -> None:
@@ -496,6 +538,47 @@ def test_the_pool_routes_to_the_context_a_prompt_extends_else_the_least_recently
         second_waiter.cancel()  # a client leaving the queue frees its place
         await asyncio.sleep(0)
         assert pool.queue_depth == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_extending_an_answered_request_waits_for_its_slot() -> None:
+    import asyncio
+
+    import numpy as np
+
+    from llama_cache.server.slots import Slot, SlotPool
+
+    async def scenario() -> None:
+        slots = [Slot(index=i, llama=_FakeLlama()) for i in range(3)]  # type: ignore[arg-type]
+        pool = SlotPool(slots, max_queue=4)
+        answered = await pool.acquire([1, 2])
+        answered.llama.hold([1, 2, 3])  # type: ignore[attr-defined]
+        pool.answered(answered, np.array([1, 2, 3], dtype=np.intc))  # saving its state: still busy
+        # Its conversation's next turn waits for it, though other slots are free; other prompts do not.
+        next_turn = asyncio.ensure_future(pool.acquire([1, 2, 3, 4]))
+        await asyncio.sleep(0)
+        assert not next_turn.done() and pool.queue_depth == 1
+        other = await pool.acquire([7])
+        assert other is not answered
+        routed = pool.routed_to_live
+        pool.release(answered)
+        assert await next_turn is answered and pool.routed_to_live == routed + 1
+        # A client leaving that wait frees nothing it did not hold; the slot is then free as usual.
+        other.llama.hold([7, 8])  # type: ignore[attr-defined]
+        pool.answered(other, np.array([7, 8], dtype=np.intc))
+        leaving = asyncio.ensure_future(pool.acquire([7, 8, 9]))
+        await asyncio.sleep(0)
+        leaving.cancel()
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 0
+        pool.release(other)
+        assert (await pool.acquire([7, 8, 9])) is other
+        # A free slot holding as much of the prompt is taken at once.
+        free = next(slot for slot in slots if slot is not answered and slot is not other)
+        free.live = np.array([1, 2, 3, 4], dtype=np.intc)
+        pool.answered(answered, np.array([1, 2, 3, 4], dtype=np.intc))
+        assert (await pool.acquire([1, 2, 3, 4, 5])) is free
 
     asyncio.run(scenario())
 

@@ -9,8 +9,10 @@ event loop and the other requests' streams; the request waits for a slot in FIFO
 (:meth:`.SlotPool.acquire`); the completion runs in a worker thread (:func:`.slots.run_job`) on
 llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, so responses have
 llama-cpp-python's server's shapes. A client that disconnects (while queued, generating or streaming)
-has its generation stopped at the next token. The slot is released when its worker thread is done,
-never before, whatever happens to the request's task.
+has its generation stopped at the next token. A stream ends with its last chunk, while the worker
+thread goes on to save the completion's state into the prompt cache (see :meth:`.SlotPool.answered`).
+The slot is released when its worker thread is done, never before, whatever happens to the request's
+task.
 
 Shutdown (the lifespan's end, after uvicorn has drained or cancelled the connections on SIGTERM):
 remaining jobs are cancelled and awaited, the prompt cache's background writes are flushed and the
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -320,7 +324,15 @@ class _Server:
             call = self._call(parsed, tokens)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
-                future = self._start(slot, job, call, lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk))
+
+                def answered(live: npt.NDArray[np.intc]) -> None:
+                    # The client has every chunk: end its stream now, not after the cache save.
+                    self.engine.pool.answered(slot, live)
+                    queue.put_nowait(_END)
+
+                future = self._start(slot, job, call,
+                                     emit=lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk),
+                                     answered=lambda live: loop.call_soon_threadsafe(answered, live))
                 future.add_done_callback(lambda f: self._stream_done(endpoint, job, f, queue))
                 handed_over = True
 
@@ -379,11 +391,11 @@ class _Server:
             await acquiring
         return None
 
-    def _start(self, slot: Slot, job: Job, call: Callable[[SlotLlama], Any],
-               emit: Callable[[Any], None] | None) -> asyncio.Future[Any]:
+    def _start(self, slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callable[[Any], None] | None,
+               answered: Callable[[npt.NDArray[np.intc]], None] | None = None) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self.executor, run_job, slot, job, call, emit)
+            future = loop.run_in_executor(self.executor, run_job, slot, job, call, emit, answered)
         except BaseException:
             self.engine.pool.release(slot)
             raise
@@ -401,6 +413,9 @@ class _Server:
     def _stream_done(self, endpoint: str, job: Job, future: asyncio.Future[Any], queue: asyncio.Queue[Any]) -> None:
         error = future.exception()
         if error is None:
+            self._record(endpoint, job, 200)
+        elif job.answered:  # failed after the client had its whole answer, in the cache save
+            logger.error("saving a streamed completion's state failed: %s: %s", type(error).__name__, error)
             self._record(endpoint, job, 200)
         elif isinstance(error, Cancelled):
             self._record(endpoint, job, CLIENT_CLOSED)
