@@ -8,23 +8,33 @@ user 2 turn 1, ..., user 1 turn 2, ...); at concurrency 4 every user runs its tu
 most 4 requests are in flight. Time to first token (TTFT) is measured by the client: from sending the
 request to the first non-empty content delta. The run stops by itself.
 
-Servers, each started as a subprocess on a free port with the same model and context size:
+Servers, each started as a subprocess on a free port:
 
 - ``llama-cache serve --parallel 4`` (RAM prompt cache);
-- llama-cpp-python's server, ``python -m llama_cpp.server --cache true`` (its defaults otherwise:
-  one request at a time, a new request interrupts a running stream);
-- llama.cpp's ``llama-server`` with its defaults (host-memory prompt cache) and ``-np 4``, from
-  ``$LLAMA_SERVER`` or ``~/.cache/llama-cache/llama-server/llama-server``; skipped with a message
-  when absent. Build it once (outside the repository) from the llama.cpp sources vendored in
-  llama-cpp-python's sdist::
+- llama-cpp-python's server, ``python -m llama_cpp.server --cache true`` (one request at a time, a new
+  request interrupts a running stream);
+- llama.cpp's ``llama-server -np 4`` (host-memory prompt cache), from ``$LLAMA_SERVER`` or
+  ``~/.cache/llama-cache/llama-server/llama-server``; skipped with a message when absent. Build it once
+  (outside the repository) from the llama.cpp sources vendored in llama-cpp-python's sdist::
 
       pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
       cd llama_cpp_python-0.3.36 && cmake -B build vendor/llama.cpp -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
       nice -n 19 cmake --build build --target llama-server -j1
 
+Like is compared with like: every server gets the same model, context size per request (``--n-ctx``;
+llama-server's ``-c`` is split between its slots, so it gets ``n_ctx * parallel``), llama.cpp threads
+for prompts and for generation (``--threads``, default one per physical core: llama-server's own
+default, which the others are given explicitly, since llama-cpp-python would generate on half the
+logical CPUs), batch and micro-batch (512, llama-cpp-python's default) and flash attention
+(``--flash-attn``, default on: llama-server's ``auto`` turns it on for the CPU). Everything else is
+each server's own default, llama-cpp-python's ``logits_all=True`` included (its server needs it for
+logprobs). The settings are printed with the table and written to the JSON.
+
 Prints a table and writes ``benchmarks/results/serve.json``::
 
     tools/run python benchmarks/serve.py [--servers llama-cache,llama-cpp-python,llama-server]
+        [--threads N] [--flash-attn on|off]
+    tools/run python benchmarks/serve.py --users 2 --turns 2 --concurrency 1   # a quick sanity check
 """
 
 from __future__ import annotations
@@ -49,6 +59,7 @@ from typing import Any
 import httpx
 
 from llama_cache import default_model_path
+from llama_cache.server.config import N_BATCH, on_off, physical_cores
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "llama-cache" / "llama-server" / "llama-server"
@@ -240,19 +251,35 @@ def _server(command: list[str], port: int, env: dict[str, str], log: Path) -> It
             process.wait()
 
 
-def _commands(name: str, model: Path, n_ctx: int, parallel: int, port: int, llama_server: Path | None) -> list[str] | None:
+@dataclass(frozen=True)
+class Settings:
+    """What every server is given alike."""
+
+    n_ctx: int
+    parallel: int
+    threads: int
+    flash_attn: bool
+    n_batch: int = N_BATCH
+
+
+def _commands(name: str, model: Path, settings: Settings, port: int, llama_server: Path | None) -> list[str] | None:
+    s = settings
     if name == "llama-cache":
         return [sys.executable, "-m", "llama_cache.cli", "serve", "--model", str(model), "--port", str(port),
-                "--n-ctx", str(n_ctx), "--parallel", str(parallel)]
+                "--n-ctx", str(s.n_ctx), "--parallel", str(s.parallel), "--threads", str(s.threads),
+                "--flash-attn", "on" if s.flash_attn else "off"]  # batch: always N_BATCH
     if name == "llama-cpp-python":
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
-                "--n_ctx", str(n_ctx), "--cache", "true"]
+                "--n_ctx", str(s.n_ctx), "--cache", "true", "--n_threads", str(s.threads),
+                "--n_threads_batch", str(s.threads), "--n_batch", str(s.n_batch), "--n_ubatch", str(s.n_batch),
+                "--flash_attn", str(s.flash_attn).lower()]
     if name == "llama-server":
         if llama_server is None:
             return None
-        # -c is the whole KV cache, shared by the -np slots (unified KV): each conversation fits.
-        return [str(llama_server), "-m", str(model), "--port", str(port), "-c", str(n_ctx * parallel),
-                "-np", str(parallel), "--no-webui"]
+        # -c is the whole KV cache, split between the -np slots: each slot holds n_ctx tokens.
+        return [str(llama_server), "-m", str(model), "--port", str(port), "-c", str(s.n_ctx * s.parallel),
+                "-np", str(s.parallel), "-t", str(s.threads), "-tb", str(s.threads), "-b", str(s.n_batch),
+                "-ub", str(s.n_batch), "-fa", "on" if s.flash_attn else "off", "--no-webui"]
     raise ValueError(name)
 
 
@@ -288,19 +315,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--document-words", type=int, default=500)
     parser.add_argument("--n-ctx", type=int, default=2048)
     parser.add_argument("--parallel", type=int, default=4, help="contexts/slots of the servers that have them")
+    parser.add_argument("--threads", type=int, default=physical_cores(),
+                        help="llama.cpp threads, prompts and generation, for every server (default: physical cores)")
+    parser.add_argument("--flash-attn", type=on_off, default=True, help="on or off, for every server (default on)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve.json")
     args = parser.parse_args(argv)
     model = default_model_path()
     llama_server = _find_llama_server()
     levels = [int(c) for c in args.concurrency.split(",")]
+    settings = Settings(args.n_ctx, args.parallel, args.threads, args.flash_attn)
     results: dict[str, Any] = {"model": model.name, "n_ctx": args.n_ctx, "parallel": args.parallel,
+                               "threads": settings.threads, "n_batch": settings.n_batch,
+                               "n_ubatch": settings.n_batch, "flash_attn": settings.flash_attn,
                                "users": args.users, "turns": args.turns, "max_tokens": args.max_tokens,
                                "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     for name in args.servers.split(","):
         for concurrency in levels:
-            command = _commands(name, model, args.n_ctx, args.parallel, _free_port(), llama_server)
+            command = _commands(name, model, settings, _free_port(), llama_server)
             if command is None:
                 print(f"{name}: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "
                       f"{DEFAULT_LLAMA_SERVER}; see this script's docstring)", file=sys.stderr)
@@ -309,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
             workload = Workload.make(args.users, args.turns, args.max_tokens, args.system_words, args.document_words)
             log = args.out.parent / f"serve-{name}-c{concurrency}.log"
             print(f"{name}, concurrency {concurrency}...", file=sys.stderr, flush=True)
+            results.setdefault("commands", {})[name] = command  # the last level's (ports differ)
             # A fresh server per level: no level starts with the other's cache.
             with _server(command, port, env, log) as url:
                 row = run_workload(url, workload, concurrency)
@@ -326,7 +360,10 @@ def _table(results: dict[str, Any]) -> str:
 
     lines = [
         f"{results['users']} users x {results['turns']} turns, {results['max_tokens']} tokens per answer, "
-        f"n_ctx {results['n_ctx']}, model {results['model']}",
+        f"model {results['model']}",
+        f"every server: n_ctx {results['n_ctx']} per request, {results['parallel']} slots where it has them, "
+        f"{results['threads']} threads (prompt and generation), batch {results['n_batch']}/{results['n_ubatch']}, "
+        f"flash attention {'on' if results['flash_attn'] else 'off'}",
         f"{'server':<18} {'conc':>4} {'TTFT t1 p50':>11} {'t1 p95':>7} {'later p50':>9} {'later p95':>9} "
         f"{'whole run s':>11} {'cut':>4} {'load':>10}",
     ]

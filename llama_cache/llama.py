@@ -87,7 +87,7 @@ class Llama(llama_cpp.Llama):
         # shares that part instead of copying it.
         self._base: LlamaState | None = None
         self._base_valid = 0
-        # Logits restored with a state, used by the next sample instead of a decode.
+        # Logits restored with a state: samples at its last position use them until a decode.
         self._restored_logits: npt.NDArray[np.float32] | None = None
         self._last_logits = np.empty(self._n_vocab_cached, dtype=np.float32)
         self._last_logits_pos = -1
@@ -241,13 +241,18 @@ class Llama(llama_cpp.Llama):
     def sample(self, *args: Any, idx: int | None = None, **kwargs: Any) -> int:
         """As ``llama_cpp.Llama.sample``; after an exact cache hit, samples from the stored logits.
 
+        They serve every sample at the restored state's last position until a decode moves on.
+
         The stored row goes through the same sampler chain, the way ``llama_sampler_sample`` feeds
         it a freshly decoded row, so the token is the one a cold run samples.
         """
         position = self.n_tokens - 1 if idx is None else idx
         if self._restored_logits is not None and position == self.n_tokens - 1:
+            # Kept until a decode: a completion that stops before evaluating its sampled token (one
+            # token asked for) leaves the restored state as the live context, and an exact repeat of
+            # the prompt then samples here again; llama.cpp holds no logits for that position (none at
+            # all in a context that never decoded, another sequence's in one that did).
             row = self._restored_logits
-            self._restored_logits = None
             token = self._sample_row(row, *args, **kwargs)
         else:
             token = super().sample(*args, idx=idx, **kwargs)

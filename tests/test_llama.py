@@ -65,6 +65,26 @@ def test_exact_repeat_needs_no_decode_and_gives_the_cold_text(cold: Llama) -> No
     assert first == again == _greedy(cold, prompt)
 
 
+def test_a_one_token_answer_from_a_restored_state_can_be_asked_again(cold: Llama) -> None:
+    # One token asked for: it is never evaluated, so the restored state stays the live context and the
+    # repeat samples at the same position, for which llama.cpp holds another prompt's logits (in a
+    # context that decoded one) or none at all (in one that never decoded: llama.cpp aborts).
+    def one_token(llm: Llama) -> str:
+        return llm.create_completion(prompt, max_tokens=1, temperature=0.0, seed=0)["choices"][0]["text"]
+
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    prompt = DOCUMENT + "Q: What do llamas carry?\nA:"
+    expected = _greedy(cold, prompt, max_tokens=1)
+    used = _make(cache)
+    assert one_token(used) == expected
+    used.create_completion("Once upon a time", max_tokens=4, temperature=0.0)
+    assert [one_token(used), one_token(used)] == [expected, expected]
+    assert used.last_prompt_tokens_evaluated == 0
+    fresh = _make(cache)
+    assert [one_token(fresh), one_token(fresh)] == [expected, expected]
+    assert fresh.last_prompt_tokens_evaluated == 0
+
+
 def test_extension_evaluates_only_the_suffix(cold: Llama) -> None:
     llm = _make(LlamaCache(capacity_bytes=1 << 30))
     prompt = llm.tokenize(DOCUMENT.encode())

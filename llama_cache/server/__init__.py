@@ -12,6 +12,9 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
+from types import FrameType
 
 from llama_cache.server.app import Engine, create_app, load_engine
 from llama_cache.server.config import ServerConfig
@@ -20,13 +23,16 @@ __all__ = ["Engine", "ServerConfig", "create_app", "load_engine", "serve"]
 
 logger = logging.getLogger(__name__)
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 def serve(config: ServerConfig, *, log_level: str = "info") -> None:
-    """Load the model and serve it until SIGTERM or SIGINT, then drain and exit.
+    """Load the model and serve it until SIGTERM or SIGINT, then drain and return.
 
     On SIGTERM uvicorn stops accepting connections and waits up to ``config.shutdown_timeout``
     seconds for running and queued requests, then cancels the rest; the app then flushes the prompt
-    cache's background writes and frees the contexts.
+    cache's background writes and frees the contexts, and this function returns (the command then
+    exits with status 0).
 
     Raises:
         FileNotFoundError, ValueError: the model could not be loaded.
@@ -35,14 +41,36 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     import uvicorn
 
     engine = load_engine(config)
-    logger.info("serving %s with %d context(s) of %d tokens, %s prompt cache", engine.model_name,
-                len(engine.pool.slots), engine.n_ctx, " + ".join(name for name, _ in engine.tiers))
+    options = config.context_options()
+    logger.info("serving %s with %d context(s) of %d tokens, %d threads each, flash attention %s, %s prompt cache",
+                engine.model_name, len(engine.pool.slots), engine.n_ctx, options["n_threads"],
+                "on" if options["flash_attn"] else "off", " + ".join(name for name, _ in engine.tiers))
     uvicorn_config = uvicorn.Config(
-        create_app(engine),
+        create_app(engine, max_body_bytes=config.max_body_bytes),
         host=config.host,
         port=config.port,
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=config.shutdown_timeout,
     )
-    uvicorn.Server(uvicorn_config).run()
+    # uvicorn handles SIGTERM and SIGINT while it serves, then restores the handlers it found and raises
+    # each signal it caught again, for the program around it. The default handlers would then kill the
+    # process with SIGTERM (or raise KeyboardInterrupt) after a clean drain; this one ends it normally.
+    in_main_thread = threading.current_thread() is threading.main_thread()  # else uvicorn takes no signals
+    saved = {sig: signal.signal(sig, _stop) for sig in _STOP_SIGNALS} if in_main_thread else {}
+    try:
+        uvicorn.Server(uvicorn_config).run()
+    except _Stopped as stopped:
+        logger.info("stopped by %s", stopped)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        engine.close()  # already done by the app's shutdown, unless uvicorn stopped before starting it
+
+
+class _Stopped(Exception):
+    """A stop signal, raised by its handler: after uvicorn's drain, or before uvicorn took the signals."""
+
+
+def _stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped(signal.Signals(signum).name)

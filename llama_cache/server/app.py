@@ -3,12 +3,16 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
 ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
-A completion's life: the body is validated (:mod:`.protocol`) and its prompt tokenized on the event
-loop; the request waits for a slot in FIFO order (:meth:`.SlotPool.acquire`); the completion runs in
-a worker thread (:func:`.slots.run_job`) on llama-cpp-python's own ``create_completion`` /
-``create_chat_completion``, so responses have llama-cpp-python's server's shapes. A client that
-disconnects (while queued, generating or streaming) has its generation stopped at the next token. The
-slot is released when its worker thread is done, never before, whatever happens to the request's task.
+A completion's life: the body is read (at most ``max_body_bytes``, else 413), then decoded, validated
+(:mod:`.protocol`) and its prompt tokenized in a thread, so that a huge prompt does not hold up the
+event loop and the other requests' streams; the request waits for a slot in FIFO order
+(:meth:`.SlotPool.acquire`); the completion runs in a worker thread (:func:`.slots.run_job`) on
+llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, so responses have
+llama-cpp-python's server's shapes. A client that disconnects (while queued, generating or streaming)
+has its generation stopped at the next token. A stream ends with its last chunk, while the worker
+thread goes on to save the completion's state into the prompt cache (see :meth:`.SlotPool.answered`).
+The slot is released when its worker thread is done, never before, whatever happens to the request's
+task.
 
 Shutdown (the lifespan's end, after uvicorn has drained or cancelled the connections on SIGTERM):
 remaining jobs are cancelled and awaited, the prompt cache's background writes are flushed and the
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -40,7 +46,7 @@ from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.redis_tier import LlamaRedisCache
 from llama_cache.caches.tiered import TieredCache
-from llama_cache.server.config import ServerConfig
+from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.protocol import (
     ApiError,
@@ -73,9 +79,13 @@ class Engine:
     n_ctx: int
     n_vocab: int
     created: int
+    closed: bool = False
 
     def close(self) -> None:
-        """Flush the cache's background writes and free every context. Call with no job running."""
+        """Flush the cache's background writes and free every context, once. Call with no job running."""
+        if self.closed:
+            return
+        self.closed = True
         close = getattr(self.cache, "close", None)
         if close is not None:
             close()  # flushes background writes to the slower tiers
@@ -102,12 +112,10 @@ def load_engine(config: ServerConfig) -> Engine:
     if config.redis_url is not None:
         tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
     cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
-    extra: dict[str, Any] = {}
-    if config.n_threads is not None:
-        extra.update(n_threads=config.n_threads, n_threads_batch=config.n_threads)
+    options = config.context_options()
     slots = []
     for index in range(config.parallel):
-        llama = SlotLlama(model_path=str(path), n_ctx=config.n_ctx, verbose=False, **extra)
+        llama = SlotLlama(model_path=str(path), verbose=False, **options)
         llama.set_cache(cache)  # binds unbound disk and Redis tiers to this model
         slots.append(Slot(index=index, llama=llama))
     first = slots[0].llama
@@ -124,6 +132,33 @@ def load_engine(config: ServerConfig) -> Engine:
 
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused once it passes ``limit`` bytes.
+
+    A body declared larger (``Content-Length``) is refused before any of it is read; one sent in chunks
+    is read up to the first chunk past the limit. Memory held is at most ``limit`` plus one chunk.
+
+    Raises:
+        ApiError: 413 with code ``request_too_large``.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
 
 
 class _Disconnect:
@@ -183,8 +218,9 @@ class _EventStream(Response):
 class _Server:
     """The routes' shared state: the engine, its executor and the metrics."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_body_bytes: int) -> None:
         self.engine = engine
+        self.max_body_bytes = max_body_bytes
         self.executor = ThreadPoolExecutor(max_workers=len(engine.pool.slots), thread_name_prefix="llama-cache-slot")
         self.metrics = ServerMetrics(
             caches=lambda: engine.tiers,
@@ -229,6 +265,11 @@ class _Server:
     # -- completions ------------------------------------------------------------------------------
 
     def _parse(self, endpoint: str, raw: bytes) -> tuple[CompletionRequest | ChatRequest, list[int]]:
+        """The validated request and its prompt's tokens. Runs in a thread, beside running completions.
+
+        Raises:
+            ApiError: 400 for bad input or a prompt that does not fit the context.
+        """
         engine = self.engine
         body = parse_json_body(raw)
         tokenizer = engine.pool.slots[0].llama  # tokenizing reads the shared vocabulary only
@@ -270,7 +311,8 @@ class _Server:
         try:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
-            parsed, tokens = self._parse(endpoint, await request.body())
+            raw = await read_body(request, self.max_body_bytes)
+            parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw)
         except ApiError as error:
             return self._answer(endpoint, _error_response(error))
         job = Job(started_at=started)
@@ -285,7 +327,15 @@ class _Server:
             call = self._call(parsed, tokens)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
-                future = self._start(slot, job, call, lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk))
+
+                def answered(live: npt.NDArray[np.intc]) -> None:
+                    # The client has every chunk: end its stream now, not after the cache save.
+                    self.engine.pool.answered(slot, live)
+                    queue.put_nowait(_END)
+
+                future = self._start(slot, job, call,
+                                     emit=lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk),
+                                     answered=lambda live: loop.call_soon_threadsafe(answered, live))
                 future.add_done_callback(lambda f: self._stream_done(endpoint, job, f, queue))
                 handed_over = True
 
@@ -344,11 +394,11 @@ class _Server:
             await acquiring
         return None
 
-    def _start(self, slot: Slot, job: Job, call: Callable[[SlotLlama], Any],
-               emit: Callable[[Any], None] | None) -> asyncio.Future[Any]:
+    def _start(self, slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callable[[Any], None] | None,
+               answered: Callable[[npt.NDArray[np.intc]], None] | None = None) -> asyncio.Future[Any]:
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self.executor, run_job, slot, job, call, emit)
+            future = loop.run_in_executor(self.executor, run_job, slot, job, call, emit, answered)
         except BaseException:
             self.engine.pool.release(slot)
             raise
@@ -366,6 +416,9 @@ class _Server:
     def _stream_done(self, endpoint: str, job: Job, future: asyncio.Future[Any], queue: asyncio.Queue[Any]) -> None:
         error = future.exception()
         if error is None:
+            self._record(endpoint, job, 200)
+        elif job.answered:  # failed after the client had its whole answer, in the cache save
+            logger.error("saving a streamed completion's state failed: %s: %s", type(error).__name__, error)
             self._record(endpoint, job, 200)
         elif isinstance(error, Cancelled):
             self._record(endpoint, job, CLIENT_CLOSED)
@@ -407,12 +460,16 @@ class _Refused(Exception):
         self.response = response
 
 
-def create_app(engine: Engine) -> Starlette:
+def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
     """The Starlette app serving ``engine``; its lifespan's end closes the engine.
+
+    Args:
+        engine: what to serve (see :func:`load_engine`).
+        max_body_bytes: completion requests with a larger body are answered 413.
 
     The app owns its :class:`~.metrics.ServerMetrics` registry (``app.state.metrics``).
     """
-    server = _Server(engine)
+    server = _Server(engine, max_body_bytes)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)

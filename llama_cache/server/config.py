@@ -11,11 +11,48 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["ServerConfig", "add_serve_command", "config_from_args"]
+__all__ = ["ServerConfig", "add_serve_command", "config_from_args", "on_off", "physical_cores"]
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CACHE_RAM = 2 << 30
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+# llama-cpp-python's default batch, and llama-server's physical batch (its logical batch of 2048 buys
+# nothing on the CPU backend, and would size llama-cpp-python's logits buffer for 2048 rows).
+N_BATCH = 512
+
+
+def physical_cores() -> int:
+    """The thread count llama.cpp's tools (``llama-server``) default to: one per physical core.
+
+    Counts distinct sets of hyperthread siblings (llama.cpp's ``cpu_get_num_physical_cores``), at
+    most the CPUs this process may run on (llama.cpp does not look at the affinity mask: in a container
+    limited to 2 CPUs of a 64-core host it would start 32 threads).
+    """
+    siblings: set[str] = set()
+    topology = Path("/sys/devices/system/cpu")
+    for path in topology.glob("cpu[0-9]*/topology/thread_siblings"):
+        try:
+            siblings.add(path.read_text().strip())
+        except OSError:
+            continue
+    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(len(siblings) or available, available))
+
+
+def on_off(text: str) -> bool:
+    """``on``/``off`` (also ``true``/``false``, ``1``/``0``) as a bool.
+
+    Raises:
+        ValueError: anything else.
+    """
+    value = text.strip().lower()
+    if value in ("on", "true", "1", "yes"):
+        return True
+    if value in ("off", "false", "0", "no"):
+        return False
+    raise ValueError(f"expected on or off, got {text!r}")
 
 
 @dataclass(frozen=True)
@@ -36,7 +73,11 @@ class ServerConfig:
         max_queue: requests that may wait for a context; one more is answered 503.
         model_alias: the model's name in ``/v1/models`` and responses (default: the file's stem).
         shutdown_timeout: seconds SIGTERM waits for running requests before cancelling them.
-        n_threads: llama.cpp threads per context (None: llama-cpp-python's default).
+        n_threads: llama.cpp threads per context, for prompts and generation alike (None: one per
+            physical core, :func:`physical_cores`, as ``llama-server``).
+        flash_attn: llama.cpp's flash attention (``llama-server``'s ``auto`` enables it wherever the
+            backend supports it, the CPU included).
+        max_body_bytes: the largest request body accepted; a larger one is answered 413.
     """
 
     model_path: Path | None = None
@@ -53,6 +94,8 @@ class ServerConfig:
     model_alias: str | None = None
     shutdown_timeout: float = 30.0
     n_threads: int | None = None
+    flash_attn: bool = True
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -69,10 +112,18 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must not be negative, got {self.shutdown_timeout}")
         if self.n_threads is not None and self.n_threads < 1:
             raise ValueError(f"n_threads must be positive, got {self.n_threads}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+
+    def context_options(self) -> dict[str, Any]:
+        """The keyword arguments of each context's ``Llama`` besides the model: size, threads, batch."""
+        threads = self.n_threads or physical_cores()
+        return {"n_ctx": self.n_ctx, "n_threads": threads, "n_threads_batch": threads, "n_batch": N_BATCH,
+                "n_ubatch": N_BATCH, "flash_attn": self.flash_attn}
 
 
 # option name -> (environment variable, type, help)
-_OPTIONS: dict[str, tuple[str, type, str]] = {
+_OPTIONS: dict[str, tuple[str, Any, str]] = {
     "host": ("LLAMA_CACHE_HOST", str, "address to listen on (default 127.0.0.1)"),
     "port": ("LLAMA_CACHE_PORT", int, "port to listen on (default 8000)"),
     "n_ctx": ("LLAMA_CACHE_N_CTX", int, f"tokens per context (default {DEFAULT_N_CTX})"),
@@ -86,8 +137,16 @@ _OPTIONS: dict[str, tuple[str, type, str]] = {
     "model_alias": ("LLAMA_CACHE_MODEL_ALIAS", str, "the model's name in the API (default: the file's stem)"),
     "shutdown_timeout": ("LLAMA_CACHE_SHUTDOWN_TIMEOUT", float,
                          "seconds SIGTERM waits for running requests before cancelling them (default 30)"),
-    "n_threads": ("LLAMA_CACHE_THREADS", int, "llama.cpp threads per context (default: llama-cpp-python's)"),
+    "n_threads": ("LLAMA_CACHE_THREADS", int,
+                  "llama.cpp threads per context, for prompts and generation (default: one per physical core, "
+                  "as llama-server)"),
+    "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", on_off, "llama.cpp's flash attention, on or off (default on)"),
+    "max_body_bytes": ("LLAMA_CACHE_MAX_BODY_BYTES", int,
+                       f"largest request body accepted, in bytes; larger ones get 413 "
+                       f"(default {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
 }
+# Other spellings of an option: llama-server's name for the thread count.
+_ALIASES = {"n_threads": ["--threads"], "redis_url": ["--redis"]}
 
 
 def add_serve_command(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
@@ -102,8 +161,8 @@ def add_serve_command(commands: argparse._SubParsersAction, parents: list[argpar
         "reads an environment variable, named in its help.",
     )
     for name, (env, kind, text) in _OPTIONS.items():
-        serve.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, default=None,
-                           help=f"{text}; ${env}")
+        serve.add_argument(*_ALIASES.get(name, []), "--" + name.replace("_", "-"), dest=name, type=kind,
+                           default=None, help=f"{text}; ${env}")
     return serve
 
 
@@ -121,7 +180,8 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             try:
                 value = kind(environ[env])
             except ValueError:
-                raise ValueError(f"${env} must be a {kind.__name__}, got {environ[env]!r}") from None
+                expected = "on or off" if kind is on_off else f"a {kind.__name__}"
+                raise ValueError(f"${env} must be {expected}, got {environ[env]!r}") from None
         if value is not None:
             values[name] = value
     model = getattr(args, "model", None)

@@ -3,8 +3,11 @@
 A request body is checked field by field before it reaches a context: every problem becomes an
 :class:`ApiError` (a 4xx with OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``)
 naming the offending field, so bad input never reaches llama.cpp. Fields the OpenAI API defines but
-llama.cpp cannot honour (``n`` > 1, ``logprobs`` without ``logits_all``) are refused the same way;
-unknown fields are ignored, as the official client sends some that servers need not know.
+this server does not honour are refused the same way rather than ignored: ``n`` > 1, and log
+probabilities (``logprobs``, ``top_logprobs``: llama-cpp-python computes them only for a context made
+with ``logits_all``, which keeps a row of logits per context position, n_ctx x n_vocab floats, and
+copies every prompt token's row; our contexts keep the last row only). Unknown fields are ignored, as
+the official client sends some that servers need not know.
 
 Sampling parameters are passed to ``llama_cpp.Llama.create_completion`` / ``create_chat_completion``
 under their llama-cpp-python names; the prompt is resolved to tokens later, by the slot pool.
@@ -113,6 +116,11 @@ def _type_error(param: str, expected: str, value: object) -> ApiError:
 
 def _value_error(param: str, message: str) -> ApiError:
     return ApiError(400, f"'{param}' {message}", param=param, code="invalid_value")
+
+
+def _unsupported(param: str) -> ApiError:
+    return ApiError(400, f"'{param}': log probabilities are not supported by this server", param=param,
+                    code="unsupported_parameter")
 
 
 def _short(value: object) -> str:
@@ -249,8 +257,10 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int) -> 
     if suffix is not None and not isinstance(suffix, str):
         raise _type_error("suffix", "a string", suffix)
     logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False and logprobs != 0:
-        raise _value_error("logprobs", "is not supported by this server")
+    if logprobs is not None and logprobs is not False:  # false: some clients' way of asking for none
+        if not _is_int(logprobs):
+            raise _type_error("logprobs", "an integer", logprobs)
+        raise _unsupported("logprobs")  # even 0, which asks for the sampled tokens' own
     best_of = body.get("best_of")
     if best_of is not None and best_of != 1:
         raise _value_error("best_of", "must be 1")
@@ -305,8 +315,17 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int) -> ChatRequest:
         cleaned["content"] = _message_content(index, message)
         messages.append(cleaned)
     logprobs = body.get("logprobs")
-    if logprobs is not None and logprobs is not False:
-        raise _value_error("logprobs", "is not supported by this server")
+    if logprobs is not None:
+        if not isinstance(logprobs, bool):
+            raise _type_error("logprobs", "a boolean", logprobs)
+        if logprobs:
+            raise _unsupported("logprobs")
+    top_logprobs = body.get("top_logprobs")
+    if top_logprobs is not None:
+        if not _is_int(top_logprobs):
+            raise _type_error("top_logprobs", "an integer", top_logprobs)
+        if top_logprobs:
+            raise _unsupported("top_logprobs")
     response_format = body.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object"):

@@ -9,6 +9,11 @@ extends (the longest such; it evaluates only the new tokens, restoring nothing),
 used free slot, which restores the best prefix from the shared cache. When no slot is free the request
 waits in a FIFO queue of bounded length; a full queue refuses at once (:class:`QueueFull`, a 503).
 
+A streamed answer ends for its client as soon as its last chunk is out; its slot stays busy while the
+completion's state is saved into the prompt cache (:meth:`SlotPool.answered`). A conversation's next
+turn that arrives meanwhile waits for that slot, whose live tokens it extends, rather than taking
+another one and restoring an older state.
+
 Thread-safety: :class:`SlotPool` is used from the event loop's thread only; each slot's ``Llama`` is
 used by the worker thread running its request only (see :func:`run_job`).
 """
@@ -131,6 +136,11 @@ def common_prefix(a: npt.NDArray[np.intc], b: npt.NDArray[np.intc]) -> int:
     return int(different[0]) if len(different) else n
 
 
+def live_tokens(llama: Llama) -> npt.NDArray[np.intc]:
+    """A copy of the tokens a context has evaluated."""
+    return np.array(llama.input_ids[: llama.n_tokens], dtype=np.intc)
+
+
 class SlotPool:
     """The slots and the FIFO queue of requests waiting for one.
 
@@ -150,6 +160,8 @@ class SlotPool:
         self.max_queue = max_queue
         self._free: list[Slot] = list(slots)
         self._waiters: deque[tuple[npt.NDArray[np.intc], asyncio.Future[Slot]]] = deque()
+        # Busy slots whose request has its whole answer (by index), with the request waiting for each.
+        self._finishing: dict[int, asyncio.Future[Slot] | None] = {}
         self._clock = itertools.count(1)
         self.routed_to_live = 0
         """Requests given a slot whose live tokens they extend (nothing restored)."""
@@ -157,7 +169,8 @@ class SlotPool:
     @property
     def queue_depth(self) -> int:
         """Requests waiting for a slot."""
-        return sum(1 for _, future in self._waiters if not future.done())
+        waiting = [future for _, future in self._waiters] + [f for f in self._finishing.values() if f is not None]
+        return sum(1 for future in waiting if not future.done())
 
     @property
     def running(self) -> int:
@@ -167,14 +180,19 @@ class SlotPool:
     async def acquire(self, prompt: list[int]) -> Slot:
         """A slot for a request with this prompt, waiting in FIFO order if none is free.
 
-        Cancelling the wait leaves the queue (or gives back a slot granted meanwhile).
+        A prompt that extends the live tokens of a slot whose request is answered but not yet released
+        (see :meth:`answered`) more than any free slot's waits for that slot. Cancelling the wait leaves
+        the queue (or gives back a slot granted meanwhile).
 
         Raises:
             QueueFull: every slot is busy and ``max_queue`` requests already wait.
         """
         tokens = np.asarray(prompt, dtype=np.intc)
         if self._free and not self._waiters:
-            return self._take(tokens)
+            finishing = self._finishing_extended_by(tokens)
+            if finishing is None:
+                return self._take(tokens)
+            return await self._wait_for_finishing(finishing)
         if len(self._waiters) >= self.max_queue:
             raise QueueFull()
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
@@ -192,22 +210,55 @@ class SlotPool:
                     pass
             raise
 
+    def answered(self, slot: Slot, live: npt.NDArray[np.intc]) -> None:
+        """The request on ``slot`` has its whole answer; ``live`` are the tokens its context now holds.
+
+        The slot stays busy until :meth:`release`; meanwhile a request whose prompt extends ``live``
+        (the conversation's next turn) waits for it instead of taking another slot.
+        """
+        if any(free is slot for free in self._free):
+            return  # released already: nothing left to wait for
+        slot.live = live
+        self._finishing.setdefault(slot.index, None)
+
     def release(self, slot: Slot) -> None:
         """Give a slot back (its request finished) and hand free slots to the oldest waiters."""
-        slot.live = np.array(slot.llama.input_ids[: slot.llama.n_tokens], dtype=np.intc)
+        slot.live = live_tokens(slot.llama)
         slot.last_used = next(self._clock)
+        waiting = self._finishing.pop(slot.index, None)
+        if waiting is not None and not waiting.done():
+            self.routed_to_live += 1
+            waiting.set_result(slot)
+            return
         self._free.append(slot)
         while self._waiters and self._free:
             tokens, future = self._waiters.popleft()
             if not future.done():
                 future.set_result(self._take(tokens))
 
+    async def _wait_for_finishing(self, slot: Slot) -> Slot:
+        future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
+        self._finishing[slot.index] = future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self.release(future.result())
+            elif self._finishing.get(slot.index) is future:
+                self._finishing[slot.index] = None
+            raise
+
+    def _finishing_extended_by(self, tokens: npt.NDArray[np.intc]) -> Slot | None:
+        """The finishing slot nobody waits for whose live tokens ``tokens`` extend, if longer than a free one's."""
+        candidates = [slot for slot in self.slots if self._finishing.get(slot.index, False) is None]
+        best = _longest_extended(candidates, tokens)
+        free = _longest_extended(self._free, tokens)
+        if best is None or (free is not None and len(free.live) >= len(best.live)):
+            return None
+        return best
+
     def _take(self, tokens: npt.NDArray[np.intc]) -> Slot:
-        best: Slot | None = None
-        for slot in self._free:
-            n = len(slot.live)
-            if 0 < n <= len(tokens) and common_prefix(slot.live, tokens) == n and (best is None or n > len(best.live)):
-                best = slot
+        best = _longest_extended(self._free, tokens)
         if best is not None:
             self.routed_to_live += 1
         else:
@@ -217,12 +268,24 @@ class SlotPool:
         return best
 
 
+def _longest_extended(slots: list[Slot], tokens: npt.NDArray[np.intc]) -> Slot | None:
+    """The slot with the most live tokens that ``tokens`` extend (all of them, in order), if any."""
+    best: Slot | None = None
+    for slot in slots:
+        n = len(slot.live)
+        if 0 < n <= len(tokens) and common_prefix(slot.live, tokens) == n and (best is None or n > len(best.live)):
+            best = slot
+    return best
+
+
 @dataclass(eq=False)
 class Job:
     """One request's run on a slot, as seen by the worker thread and the event loop.
 
     ``cancel`` stops the generation at the next token; ``first_token_at`` is the monotonic time of the
-    first sampled token; ``sampled`` counts sampled tokens.
+    first sampled token; ``sampled`` counts sampled tokens; ``answered`` is set once a stream's last
+    chunk (the one with a finish reason) has been emitted: what runs after is bookkeeping, which a
+    cancellation no longer turns into a cancelled request.
     """
 
     started_at: float
@@ -232,6 +295,7 @@ class Job:
     prompt_tokens: int = 0
     prompt_tokens_evaluated: int = 0
     completed: bool = False
+    answered: bool = False
 
     def stop_check(self, input_ids: Any, logits: Any) -> bool:
         """The stopping criterion llama-cpp-python calls after each sampled token."""
@@ -241,7 +305,8 @@ class Job:
         return self.cancel.is_set()
 
 
-def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callable[[Any], None] | None) -> Any:
+def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callable[[Any], None] | None,
+            answered: Callable[[npt.NDArray[np.intc]], None] | None = None) -> Any:
     """Run ``call(slot.llama)`` in this (worker) thread; stream its chunks to ``emit`` if given.
 
     Args:
@@ -249,12 +314,15 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
         job: the request's cancellation flag and counters, filled in here.
         call: starts the completion (``create_completion`` / ``create_chat_completion``).
         emit: for streams, receives each chunk; None for a non-streamed completion, returned whole.
+        answered: for streams, called with the context's live tokens right after the last chunk was
+            emitted, while llama-cpp-python has yet to save the completion's state into the cache.
 
     Returns:
         The completion (non-streamed) or None.
 
     Raises:
-        Cancelled: the job was cancelled (the generation stopped; the context is consistent).
+        Cancelled: the job was cancelled before its answer was complete (the generation stopped; the
+            context is consistent).
         ValueError: llama-cpp-python refused the request.
     """
     llama = slot.llama
@@ -263,8 +331,13 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
         result = call(llama)
         if emit is not None:
             for chunk in result:
-                if not job.cancel.is_set():
-                    emit(chunk)
+                if job.cancel.is_set() or job.answered:
+                    continue  # run the generator to its end: it saves the state there
+                emit(chunk)
+                if _finish_reason(chunk) is not None:
+                    job.answered = True
+                    if answered is not None:
+                        answered(live_tokens(llama))
             result = None
         job.completed = True
         if job.first_token_at is not None:
@@ -275,6 +348,11 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
         # llama-cpp-python asks the criteria once more after its loop; that call sampled nothing.
         if job.completed and job.sampled > 0:
             job.sampled -= 1
-    if job.cancel.is_set():
+    if job.cancel.is_set() and not job.answered:
         raise Cancelled()
     return result
+
+
+def _finish_reason(chunk: Any) -> str | None:
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    return choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
