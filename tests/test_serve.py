@@ -580,6 +580,16 @@ def test_a_prompt_extending_an_answered_request_waits_for_its_slot() -> None:
         free.live = np.array([1, 2, 3, 4], dtype=np.intc)
         pool.answered(answered, np.array([1, 2, 3, 4], dtype=np.intc))
         assert (await pool.acquire([1, 2, 3, 4, 5])) is free
+        # Every slot busy and a request queued: the next turn still gets its own slot, ahead of the queue.
+        queued = asyncio.ensure_future(pool.acquire([9]))
+        next_turn = asyncio.ensure_future(pool.acquire([1, 2, 3, 4, 6]))
+        await asyncio.sleep(0)
+        assert pool.queue_depth == 2
+        pool.release(answered)
+        await asyncio.sleep(0)
+        assert next_turn.done() and next_turn.result() is answered and not queued.done()
+        pool.release(other)
+        assert await queued is other
 
     asyncio.run(scenario())
 

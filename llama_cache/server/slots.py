@@ -11,8 +11,8 @@ waits in a FIFO queue of bounded length; a full queue refuses at once (:class:`Q
 
 A streamed answer ends for its client as soon as its last chunk is out; its slot stays busy while the
 completion's state is saved into the prompt cache (:meth:`SlotPool.answered`). A conversation's next
-turn that arrives meanwhile waits for that slot, whose live tokens it extends, rather than taking
-another one and restoring an older state.
+turn that arrives meanwhile waits for that slot, whose live tokens it extends, ahead of the queue,
+rather than taking another one and restoring an older state (or none, the save being unfinished).
 
 Thread-safety: :class:`SlotPool` is used from the event loop's thread only; each slot's ``Llama`` is
 used by the worker thread running its request only (see :func:`run_job`).
@@ -181,18 +181,20 @@ class SlotPool:
         """A slot for a request with this prompt, waiting in FIFO order if none is free.
 
         A prompt that extends the live tokens of a slot whose request is answered but not yet released
-        (see :meth:`answered`) more than any free slot's waits for that slot. Cancelling the wait leaves
-        the queue (or gives back a slot granted meanwhile).
+        (see :meth:`answered`) more than any free slot's waits for that slot, ahead of the queue: the
+        slot is about to be free, and the conversation goes on where its tokens are instead of
+        restoring, on whichever slot frees first, a state the cache may not hold yet. Cancelling the
+        wait leaves the queue (or gives back a slot granted meanwhile).
 
         Raises:
             QueueFull: every slot is busy and ``max_queue`` requests already wait.
         """
         tokens = np.asarray(prompt, dtype=np.intc)
-        if self._free and not self._waiters:
-            finishing = self._finishing_extended_by(tokens)
-            if finishing is None:
-                return self._take(tokens)
+        finishing = self._finishing_extended_by(tokens)
+        if finishing is not None:
             return await self._wait_for_finishing(finishing)
+        if self._free and not self._waiters:
+            return self._take(tokens)
         if len(self._waiters) >= self.max_queue:
             raise QueueFull()
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
