@@ -643,7 +643,14 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
     parser = argparse.ArgumentParser()
     add_serve_command(parser.add_subparsers(), [])
     default = config_from_args(parser.parse_args(["serve"]), {})
-    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+    # Counted independently: distinct (package, core) ids of the CPUs this process may use.
+    topology = Path("/sys/devices/system/cpu")
+    cores = {
+        (topology.joinpath(f"cpu{cpu}/topology/physical_package_id").read_text(),
+         topology.joinpath(f"cpu{cpu}/topology/core_id").read_text())
+        for cpu in os.sched_getaffinity(0)
+    }
+    assert physical_cores() == len(cores)
     options = default.context_options()
     # llama-server's defaults: a thread per physical core for prompts and generation alike, flash attention.
     assert (options["n_threads"], options["n_threads_batch"]) == (physical_cores(), physical_cores())

@@ -13,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from llama_cache import BaseLlamaCache, CacheStats, LlamaDiskCache, LlamaRAMCache, LlamaTrieCache, TieredCache

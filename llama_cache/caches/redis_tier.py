@@ -53,7 +53,6 @@ import hashlib
 import json
 import logging
 import math
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -772,6 +771,7 @@ def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
     return removed
 
 
+@functools.lru_cache(maxsize=64)
 def _parse_layout(text: bytes) -> KVLayout:
     """A namespace record's layout, parsed and validated once per distinct text."""
     return layout_from_json(json.loads(text))
