@@ -310,22 +310,9 @@ def synthetic_state(tokens: np.ndarray, fingerprint: str, row: int = 2) -> Any:
     Tiny (``4 * row`` bytes of KV per token), so 10,000 entries fill fast; its chunk ids, and so the
     lookups' work, are what a real model's would be.
     """
-    from llama_cache.state.llama_state import LlamaState
+    from llama_cache.testing.states import synthetic_state as build
 
-    n = len(tokens)
-    rng = np.random.default_rng(int(tokens[-1]) + n)
-    cells = np.zeros(n, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
-    cells["pos"] = np.arange(n)
-    cells["n_seq"] = 1
-    parts = [np.array([0xAF143CD8, 0, 1, n], "<u4").tobytes(), cells.tobytes(), np.array([1, 2], "<u4").tobytes()]
-    for _ in range(2):
-        parts += [np.array([1], "<i4").tobytes(), np.array([row], "<u8").tobytes(), rng.bytes(row * n)]
-    for _ in range(2):
-        parts += [np.array([1], "<i4").tobytes(), np.array([2, row // 2], "<u4").tobytes(), rng.bytes(row * n)]
-    raw = np.frombuffer(b"".join(parts), dtype=np.uint8)
-    state = LlamaState.from_seq_bytes(np.asarray(tokens, dtype=np.int32), None, 0, fingerprint, raw)
-    assert state.layout is not None
-    return state
+    return build(tokens, row, np.random.default_rng(int(tokens[-1]) + len(tokens)), fingerprint=fingerprint)
 
 
 def _per_call(cache: Any, calls: list[Any]) -> tuple[float, float]:

@@ -27,6 +27,7 @@ from llama_cache.inspection import add_inspect_command, run_inspect
 from llama_cache.state.format import encode, encoded_size
 from llama_cache.state.chunks import default_chunk_tokens, encode_chunk, encode_head, pieces
 from llama_cache.state.llama_state import LlamaState
+from llama_cache.testing.states import synthetic_state
 from tests.cache_contract import CacheContract
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,20 +51,9 @@ def make_cut_state(
     tokens = np.asarray(list(tokens), dtype=np.int32)
     n = len(tokens)
     row = max(2, (nbytes // (4 * max(n, 1))) & ~1)  # bytes per token of each K row
-    rng = np.random.default_rng(int(tokens.sum()) + n)
-    cells = np.zeros(n, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
-    cells["pos"] = np.arange(n)
-    cells["n_seq"] = 1
-    parts = [np.array([0xAF143CD8, 0, 1, n], "<u4").tobytes(), cells.tobytes(), np.array([1, 2], "<u4").tobytes()]
-    for _ in range(2):
-        parts += [np.array([1], "<i4").tobytes(), np.array([row], "<u8").tobytes(), rng.bytes(row * n)]
-    for _ in range(2):
-        parts += [np.array([1], "<i4").tobytes(), np.array([2, row // 2], "<u4").tobytes(), rng.bytes(row * n)]
-    raw = np.frombuffer(b"".join(parts), dtype=np.uint8)
     last = np.full(16, n, dtype=np.float32) if logits else None
-    state = LlamaState.from_seq_bytes(tokens, last, 0, fingerprint, raw)
-    assert state.layout is not None
-    return state
+    rng = np.random.default_rng(int(tokens.sum()) + n)
+    return synthetic_state(tokens, row, rng, fingerprint=fingerprint, logits=last)
 
 
 def disk_size(state: LlamaState, chunk_tokens: int | None = None) -> int:
