@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.state.llama_state import LlamaState
 from llama_cache.state.kv_layout import SEQ_STATE_MAGIC
+from llama_cache.state.llama_state import LlamaState
 
 __all__ = ["synthetic_state"]
 
