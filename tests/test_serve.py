@@ -389,6 +389,43 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: _Live
     assert server.client().completions.create(model="m", prompt="Hi", max_tokens=2, temperature=0).choices
 
 
+def test_every_evaluation_runs_on_the_compute_thread(server: _LiveServer) -> None:
+    compute = server.engine.compute
+    tokens_before, before = compute.tokens, server.metrics()
+    prompt = f"Note {time.monotonic_ns()}: the three primary colours are"  # asked by no other test
+    reply = server.client().completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0)
+    after = server.metrics()
+    evaluated_prompt = (after["llama_cache_prompt_tokens_total"] - before["llama_cache_prompt_tokens_total"]
+                        - (after["llama_cache_prompt_tokens_cached_total"]
+                           - before["llama_cache_prompt_tokens_cached_total"]))
+    assert evaluated_prompt > 0
+    # The prompt's new tokens, then each sampled token but the last of a completion cut at max_tokens
+    # (it stops before evaluating it); an end-of-generation token is neither counted nor evaluated.
+    generated = reply.usage.completion_tokens - (1 if reply.choices[0].finish_reason == "length" else 0)
+    assert compute.tokens - tokens_before == evaluated_prompt + generated
+
+
+def test_a_client_that_disconnects_while_its_prompt_is_read_stops_it_at_the_next_chunk(
+    server: _LiveServer,
+) -> None:
+    compute = server.engine.compute
+    batch = server.engine.pool.slots[0].llama.n_batch
+    words = " ".join(["river", "stone", "garden", "window"] * 200)  # over one batch of tokens, under N_CTX
+    prompt_tokens = len(server.engine.pool.slots[0].llama.tokenize(words.encode()))
+    assert batch < prompt_tokens < N_CTX - 8
+    before, tokens_before = server.metrics(), compute.tokens
+    status = 'llama_cache_requests_total{endpoint="/v1/completions",status="499"}'
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
+                      json={"prompt": words, "max_tokens": 4, "stream": True}) as response:
+        assert response.status_code == 200
+        time.sleep(0.3)  # the first chunk is being evaluated; leave
+    _wait_for(lambda: server.metrics().get(status, 0) > before.get(status, 0)
+              and server.metrics()["llama_cache_requests_running"] == 0)
+    assert compute.tokens - tokens_before == batch  # one chunk, not the whole prompt
+    # The context holds that chunk consistently: the next request on it is answered as usual.
+    assert server.client().completions.create(model="m", prompt=words[:200], max_tokens=2, temperature=0).choices
+
+
 def test_a_full_queue_answers_503_with_retry_after() -> None:
     live = _LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=1))
     try:
@@ -499,7 +536,7 @@ class _FakeLlama:
     def __init__(self) -> None:
         import numpy as np
 
-        self.input_ids = np.zeros(64, dtype=np.intc)
+        self.input_ids = np.zeros(256, dtype=np.intc)
         self.n_tokens = 0
 
     def hold(self, tokens: list[int]) -> None:
@@ -590,6 +627,88 @@ def test_a_prompt_extending_an_answered_request_waits_for_its_slot() -> None:
         assert next_turn.done() and next_turn.result() is answered and not queued.done()
         pool.release(other)
         assert await queued is other
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_goes_to_the_slot_sharing_its_head_when_the_cache_holds_less() -> None:
+    import asyncio
+
+    from llama_cache.server.slots import MIN_SHARED_TOKENS, Slot, SlotPool
+
+    head = list(range(1, MIN_SHARED_TOKENS + 9))  # a system prompt, longer than the minimum
+    cached_length = {"n": 0}
+
+    async def scenario() -> None:
+        slots = [Slot(index=i, llama=_FakeLlama()) for i in range(3)]  # type: ignore[arg-type]
+        pool = SlotPool(slots, max_queue=4, cached=lambda tokens: cached_length["n"])
+        first = await pool.acquire(head + [100])
+        first.llama.hold(head + [100, 101])  # type: ignore[attr-defined]
+        pool.release(first)
+        other = await pool.acquire([7, 7])  # takes a least recently used empty slot
+        other.llama.hold([7, 7])  # type: ignore[attr-defined]
+        pool.release(other)
+        # Another conversation on the same head: the cache holds nothing, the first slot holds the head.
+        second = await pool.acquire(head + [200])
+        assert second is first
+        second.llama.hold(head + [200, 201])  # type: ignore[attr-defined]
+        pool.release(second)
+        # When the cache holds as much of the prompt, the least recently used slot restores it instead,
+        # and the slot holding the other conversation keeps it.
+        cached_length["n"] = len(head)
+        third = await pool.acquire(head + [300])
+        assert third is not second and third.index == 2
+        pool.release(third)
+        # A head shorter than the minimum (a chat template's first tokens) is not worth another
+        # conversation's tokens: the least recently used slot.
+        cached_length["n"] = 0
+        short = await pool.acquire(head[: MIN_SHARED_TOKENS - 1] + [400])
+        assert short is other
+        pool.release(short)
+        # A slot whose live tokens are all reused is taken even when the cache holds as much.
+        cached_length["n"] = len(head) + 2
+        again = await pool.acquire(head + [200, 201, 202])
+        assert again is second
+        pool.release(again)
+        # A failing cache is an empty one for routing.
+        pool._cached = lambda tokens: 1 // 0  # noqa: SLF001
+        assert (await pool.acquire(head + [500])) is second
+
+    asyncio.run(scenario())
+
+
+def test_a_prompt_sharing_the_head_of_an_answered_request_waits_for_its_slot() -> None:
+    import asyncio
+
+    import numpy as np
+
+    from llama_cache.server.slots import MIN_SHARED_TOKENS, Slot, SlotPool
+
+    head = list(range(1, MIN_SHARED_TOKENS + 9))
+    cached_length = {"n": 0}
+
+    async def scenario() -> None:
+        slots = [Slot(index=i, llama=_FakeLlama()) for i in range(2)]  # type: ignore[arg-type]
+        pool = SlotPool(slots, max_queue=4, cached=lambda tokens: cached_length["n"])
+        answered = await pool.acquire(head + [100])
+        answered.llama.hold(head + [100, 101])  # type: ignore[attr-defined]
+        pool.answered(answered, np.array(head + [100, 101], dtype=np.intc))  # its state is being saved
+        # A second conversation on the same head, sent as the first one's answer ends: the cache does
+        # not hold the head yet, the answered slot does; it waits for that slot (the other is free).
+        second = asyncio.ensure_future(pool.acquire(head + [200]))
+        await asyncio.sleep(0)
+        assert not second.done() and pool.queue_depth == 1
+        pool.release(answered)
+        assert await second is answered
+        # Once the cache holds the head, nobody waits for a slot that only shares it.
+        second_slot = answered
+        second_slot.llama.hold(head + [200, 201])  # type: ignore[attr-defined]
+        pool.answered(second_slot, np.array(head + [200, 201], dtype=np.intc))
+        cached_length["n"] = len(head)
+        third = await pool.acquire(head + [300])
+        assert third is not second_slot
+        pool.release(second_slot)
+        pool.release(third)
 
     asyncio.run(scenario())
 

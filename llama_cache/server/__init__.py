@@ -3,6 +3,7 @@
 - :mod:`.config`: settings from options and environment variables.
 - :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
 - :mod:`.slots`: the contexts, the fair queue and the routing of a request to a context.
+- :mod:`.compute`: the one thread on which every context evaluates, in rounds.
 - :mod:`.metrics`: the Prometheus metrics, in a registry per app.
 - :mod:`.app`: the routes (Starlette), the worker threads, shutdown.
 

@@ -8,7 +8,8 @@ A completion's life: the body is read (at most ``max_body_bytes``, else 413), th
 event loop and the other requests' streams; the request waits for a slot in FIFO order
 (:meth:`.SlotPool.acquire`); the completion runs in a worker thread (:func:`.slots.run_job`) on
 llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, so responses have
-llama-cpp-python's server's shapes. A client that disconnects (while queued, generating or streaming)
+llama-cpp-python's server's shapes; its evaluations run on the engine's one compute thread
+(:mod:`.compute`). A client that disconnects (while queued, generating or streaming)
 has its generation stopped at the next token. A stream ends with its last chunk, while the worker
 thread goes on to save the completion's state into the prompt cache (see :meth:`.SlotPool.answered`).
 The slot is released when its worker thread is done, never before, whatever happens to the request's
@@ -46,6 +47,7 @@ from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.redis_tier import LlamaRedisCache
 from llama_cache.caches.tiered import TieredCache
+from llama_cache.server.compute import ComputeThread
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.protocol import (
@@ -70,9 +72,10 @@ CLIENT_CLOSED = 499
 
 @dataclass
 class Engine:
-    """What the app serves: the slots, their shared prompt cache and the model's name."""
+    """What the app serves: the slots, their shared prompt cache, their compute thread and the model's name."""
 
     pool: SlotPool
+    compute: ComputeThread
     cache: BaseLlamaCache
     tiers: list[tuple[str, BaseLlamaCache]]  # (name, cache), fastest first
     model_name: str
@@ -89,6 +92,7 @@ class Engine:
         close = getattr(self.cache, "close", None)
         if close is not None:
             close()  # flushes background writes to the slower tiers
+        self.compute.close()
         for slot in self.pool.slots:
             slot.llama.close()
 
@@ -97,7 +101,8 @@ def load_engine(config: ServerConfig) -> Engine:
     """Load ``config.parallel`` contexts of the model around one shared prompt cache.
 
     The model file is memory-mapped by each context's load, so the weights' pages are shared by the
-    operating system (CPU backend); each context has its own KV memory.
+    operating system (CPU backend); each context has its own KV memory. Every context evaluates on
+    one :class:`~.compute.ComputeThread`.
 
     Raises:
         FileNotFoundError: the model file does not exist.
@@ -113,14 +118,23 @@ def load_engine(config: ServerConfig) -> Engine:
         tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
     cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
     options = config.context_options()
+    compute = ComputeThread()
     slots = []
-    for index in range(config.parallel):
-        llama = SlotLlama(model_path=str(path), verbose=False, **options)
-        llama.set_cache(cache)  # binds unbound disk and Redis tiers to this model
-        slots.append(Slot(index=index, llama=llama))
+    try:
+        for index in range(config.parallel):
+            llama = SlotLlama(model_path=str(path), verbose=False, **options)
+            llama.set_cache(cache)  # binds unbound disk and Redis tiers to this model
+            llama.compute = compute
+            slots.append(Slot(index=index, llama=llama))
+    except BaseException:
+        compute.close()
+        for slot in slots:
+            slot.llama.close()
+        raise
     first = slots[0].llama
     return Engine(
-        pool=SlotPool(slots, config.max_queue),
+        pool=SlotPool(slots, config.max_queue, cached=tiers[0][1].match_length),
+        compute=compute,
         cache=cache,
         tiers=tiers,
         model_name=config.model_alias or path.stem,

@@ -4,15 +4,20 @@ Each slot is one :class:`llama_cache.Llama` (its own llama.cpp context); every s
 cache. A request holds its slot from the first prompt token to the last generated one, so a context is
 never used by two requests at once, and requests never cancel one another.
 
-Routing, in order (llama.cpp's server chooses the same way): the free slot whose live tokens the prompt
-extends (the longest such; it evaluates only the new tokens, restoring nothing), else the least recently
-used free slot, which restores the best prefix from the shared cache. When no slot is free the request
-waits in a FIFO queue of bounded length; a full queue refuses at once (:class:`QueueFull`, a 503).
+Routing: a request goes to the free slot whose live tokens it reuses most, when that beats what the
+prompt cache holds for it (asked of its fastest tier, without loading anything): all of the slot's live
+tokens (the conversation goes on where it is: nothing restored), or a shared head of at least
+:data:`MIN_SHARED_TOKENS` longer than the cache's match (the slot's KV is cut back to it; llama.cpp's
+server chooses by such a shared prefix too). Otherwise the least recently used free slot takes it and
+restores the cache's best prefix. When no slot is free the request waits in a FIFO queue of bounded
+length; a full queue refuses at once (:class:`QueueFull`, a 503).
 
 A streamed answer ends for its client as soon as its last chunk is out; its slot stays busy while the
-completion's state is saved into the prompt cache (:meth:`SlotPool.answered`). A conversation's next
-turn that arrives meanwhile waits for that slot, whose live tokens it extends, ahead of the queue,
-rather than taking another one and restoring an older state (or none, the save being unfinished).
+completion's state is saved into the prompt cache (:meth:`SlotPool.answered`). A request that would
+reuse more of that slot's live tokens than of any free slot's or the cache's (a conversation's next
+turn, or another conversation on the same system prompt right after the first) waits for that slot,
+ahead of the queue, rather than taking another one and evaluating what the unfinished save would have
+given it.
 
 Thread-safety: :class:`SlotPool` is used from the event loop's thread only; each slot's ``Llama`` is
 used by the worker thread running its request only (see :func:`run_job`).
@@ -26,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +41,10 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.llama import Llama
+from llama_cache.server.compute import ComputeThread, EvaluationCancelled
 
-__all__ = ["Job", "QueueFull", "Slot", "SlotLlama", "SlotPool", "prompt_tokens_for_chat", "run_job"]
+__all__ = ["MIN_SHARED_TOKENS", "Job", "QueueFull", "Slot", "SlotLlama", "SlotPool", "prompt_tokens_for_chat",
+           "run_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +58,34 @@ class Cancelled(Exception):
 
 
 class SlotLlama(Llama):
-    """A :class:`llama_cache.Llama` whose completions also obey the running request's stop check.
+    """A :class:`llama_cache.Llama` that evaluates on the server's compute thread and obeys its request.
+
+    ``compute``, when set, runs every evaluation (see :mod:`.compute`): the tokens are checked here,
+    then evaluated there in chunks, and ``request_cancelled`` (when set) is asked between chunks, so a
+    cancelled request stops reading a long prompt at the next chunk (:class:`EvaluationCancelled`).
 
     ``request_stop``, when set, is added to every completion's stopping criteria (chat handlers replace
     the caller's criteria with their own, so it cannot be passed as an argument): llama-cpp-python calls
     it after each sampled token, which is how a request is timed and how a cancelled one stops.
     """
 
+    compute: ComputeThread | None = None
+    request_cancelled: Callable[[], bool] | None = None
     request_stop: Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool] | None = None
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Evaluate ``tokens`` on the compute thread (as :meth:`llama_cache.Llama.eval` without one).
+
+        Raises:
+            ValueError, TypeError: a token is not a vocabulary id (nothing was evaluated).
+            EvaluationCancelled: the request was cancelled after the first chunk.
+        """
+        compute = self.compute
+        if compute is None:
+            return super().eval(tokens)
+        checked = self._checked_tokens(tokens)  # all of them, before any chunk is evaluated
+        compute.evaluate(super().eval, checked, self.n_batch, cancelled=self.request_cancelled)
+        return None
 
     def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         extra = self.request_stop
@@ -147,24 +174,28 @@ class SlotPool:
     Args:
         slots: the contexts (at least one).
         max_queue: requests that may wait while every slot is busy; one more is refused.
+        cached: how many leading tokens of a prompt the prompt cache would restore (its fastest tier's
+            ``match_length``: O(K), loads nothing); None: routing does not consult the cache.
 
     Used from the event loop's thread only.
     """
 
-    def __init__(self, slots: list[Slot], max_queue: int) -> None:
+    def __init__(self, slots: list[Slot], max_queue: int,
+                 cached: Callable[[npt.NDArray[np.intc]], int] | None = None) -> None:
         if not slots:
             raise ValueError("a slot pool needs at least one slot")
         if max_queue < 0:
             raise ValueError(f"max_queue must not be negative, got {max_queue}")
         self.slots = slots
         self.max_queue = max_queue
+        self._cached = cached
         self._free: list[Slot] = list(slots)
         self._waiters: deque[tuple[npt.NDArray[np.intc], asyncio.Future[Slot]]] = deque()
         # Busy slots whose request has its whole answer (by index), with the request waiting for each.
         self._finishing: dict[int, asyncio.Future[Slot] | None] = {}
         self._clock = itertools.count(1)
         self.routed_to_live = 0
-        """Requests given a slot whose live tokens they extend (nothing restored)."""
+        """Requests given a slot whose live tokens they reuse (nothing restored from the cache)."""
 
     @property
     def queue_depth(self) -> int:
@@ -180,21 +211,21 @@ class SlotPool:
     async def acquire(self, prompt: list[int]) -> Slot:
         """A slot for a request with this prompt, waiting in FIFO order if none is free.
 
-        A prompt that extends the live tokens of a slot whose request is answered but not yet released
-        (see :meth:`answered`) more than any free slot's waits for that slot, ahead of the queue: the
-        slot is about to be free, and the conversation goes on where its tokens are instead of
-        restoring, on whichever slot frees first, a state the cache may not hold yet. Cancelling the
-        wait leaves the queue (or gives back a slot granted meanwhile).
+        A prompt that reuses more live tokens of a slot whose request is answered but not yet released
+        (see :meth:`answered`) than of any free slot, and more than the cache holds, waits for that
+        slot, ahead of the queue: it is about to be free, and its tokens are there, while the cache may
+        not hold them yet. Cancelling the wait leaves the queue (or gives back a slot granted meanwhile).
 
         Raises:
             QueueFull: every slot is busy and ``max_queue`` requests already wait.
         """
         tokens = np.asarray(prompt, dtype=np.intc)
-        finishing = self._finishing_extended_by(tokens)
+        cached = self._cached_length(tokens)
+        finishing = self._finishing_worth_waiting_for(tokens, cached)
         if finishing is not None:
             return await self._wait_for_finishing(finishing)
         if self._free and not self._waiters:
-            return self._take(tokens)
+            return self._take(tokens, cached)
         if len(self._waiters) >= self.max_queue:
             raise QueueFull()
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
@@ -215,8 +246,8 @@ class SlotPool:
     def answered(self, slot: Slot, live: npt.NDArray[np.intc]) -> None:
         """The request on ``slot`` has its whole answer; ``live`` are the tokens its context now holds.
 
-        The slot stays busy until :meth:`release`; meanwhile a request whose prompt extends ``live``
-        (the conversation's next turn) waits for it instead of taking another slot.
+        The slot stays busy until :meth:`release`; meanwhile a request that would reuse ``live`` more
+        than anything free (the conversation's next turn) waits for it instead of taking another slot.
         """
         if any(free is slot for free in self._free):
             return  # released already: nothing left to wait for
@@ -236,7 +267,7 @@ class SlotPool:
         while self._waiters and self._free:
             tokens, future = self._waiters.popleft()
             if not future.done():
-                future.set_result(self._take(tokens))
+                future.set_result(self._take(tokens, self._cached_length(tokens)))
 
     async def _wait_for_finishing(self, slot: Slot) -> Slot:
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
@@ -250,17 +281,25 @@ class SlotPool:
                 self._finishing[slot.index] = None
             raise
 
-    def _finishing_extended_by(self, tokens: npt.NDArray[np.intc]) -> Slot | None:
-        """The finishing slot nobody waits for whose live tokens ``tokens`` extend, if longer than a free one's."""
-        candidates = [slot for slot in self.slots if self._finishing.get(slot.index, False) is None]
-        best = _longest_extended(candidates, tokens)
-        free = _longest_extended(self._free, tokens)
-        if best is None or (free is not None and len(free.live) >= len(best.live)):
-            return None
-        return best
+    def _cached_length(self, tokens: npt.NDArray[np.intc]) -> int:
+        if self._cached is None:
+            return 0
+        try:
+            return int(self._cached(tokens))
+        except Exception as error:  # noqa: BLE001 - routing only: a failing cache is an empty one
+            logger.debug("prompt cache match_length failed: %s: %s", type(error).__name__, error)
+            return 0
 
-    def _take(self, tokens: npt.NDArray[np.intc]) -> Slot:
-        best = _longest_extended(self._free, tokens)
+    def _finishing_worth_waiting_for(self, tokens: npt.NDArray[np.intc], cached: int) -> Slot | None:
+        """The finishing slot nobody waits for whose live tokens the prompt reuses more than anything else's."""
+        free, free_reused = _most_reused(self._free, tokens, cached)
+        floor = max(cached, free_reused if free is not None else 0)
+        candidates = [slot for slot in self.slots if self._finishing.get(slot.index, False) is None]
+        best, reused = _most_reused(candidates, tokens, floor)
+        return best if best is not None and reused > floor else None
+
+    def _take(self, tokens: npt.NDArray[np.intc], cached: int) -> Slot:
+        best, _ = _most_reused(self._free, tokens, cached)
         if best is not None:
             self.routed_to_live += 1
         else:
@@ -270,14 +309,31 @@ class SlotPool:
         return best
 
 
-def _longest_extended(slots: list[Slot], tokens: npt.NDArray[np.intc]) -> Slot | None:
-    """The slot with the most live tokens that ``tokens`` extend (all of them, in order), if any."""
+MIN_SHARED_TOKENS = 32
+"""The shortest shared head worth routing a prompt to a slot holding another conversation (chat prompts
+all share their template's first few tokens, which are not worth the other conversation's live tokens)."""
+
+
+def _most_reused(slots: list[Slot], tokens: npt.NDArray[np.intc], cached: int) -> tuple[Slot | None, int]:
+    """The slot whose live tokens ``tokens`` reuse most, if worth more than ``cached`` tokens from the cache.
+
+    Worth it: all of the slot's live tokens, at least ``cached`` of them (nothing to restore, nothing
+    lost); or a shared head of at least :data:`MIN_SHARED_TOKENS`, more than ``cached``. Between equal
+    heads, one that is all of a slot's live tokens wins. Returns (slot, tokens reused) or (None, 0).
+    """
     best: Slot | None = None
+    best_key = (0, False)
     for slot in slots:
         n = len(slot.live)
-        if 0 < n <= len(tokens) and common_prefix(slot.live, tokens) == n and (best is None or n > len(best.live)):
-            best = slot
-    return best
+        if n == 0:
+            continue
+        reused = common_prefix(slot.live, tokens)
+        extends = reused == n
+        if not ((extends and reused >= cached) or (reused >= MIN_SHARED_TOKENS and reused > cached)):
+            continue
+        if best is None or (reused, extends) > best_key:
+            best, best_key = slot, (reused, extends)
+    return best, best_key[0]
 
 
 @dataclass(eq=False)
@@ -329,6 +385,7 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
     """
     llama = slot.llama
     llama.request_stop = job.stop_check
+    llama.request_cancelled = job.cancel.is_set
     try:
         result = call(llama)
         if emit is not None:
@@ -345,8 +402,11 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
         if job.first_token_at is not None:
             job.prompt_tokens = llama.last_prompt_length
             job.prompt_tokens_evaluated = llama.last_prompt_tokens_evaluated
+    except EvaluationCancelled:
+        raise Cancelled() from None  # stopped while reading its prompt; the context holds what was read
     finally:
         llama.request_stop = None
+        llama.request_cancelled = None
         # llama-cpp-python asks the criteria once more after its loop; that call sampled nothing.
         if job.completed and job.sampled > 0:
             job.sampled -= 1

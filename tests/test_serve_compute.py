@@ -1,0 +1,160 @@
+"""The server's compute thread: one thread evaluates for every context, in rounds, in chunks."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from llama_cache.server.compute import FAIR_CHUNK_TOKENS, SHORT_TOKENS, ComputeThread, EvaluationCancelled
+
+
+class _Recorder:
+    """Evaluate functions that record (name, slice length, thread) in one shared list."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def evaluator(self, name: str, gate: threading.Event | None = None):  # type: ignore[no-untyped-def]
+        def evaluate(tokens: Sequence[int]) -> None:
+            if gate is not None and not gate.is_set():
+                gate.wait(10)
+            self.calls.append((name, len(tokens), threading.get_ident()))
+        return evaluate
+
+
+def _submit(compute: ComputeThread, evaluate, tokens: Sequence[int], batch: int = 512) -> threading.Thread:  # type: ignore[no-untyped-def]
+    thread = threading.Thread(target=compute.evaluate, args=(evaluate, tokens, batch))
+    thread.start()
+    return thread
+
+
+def _wait_until(condition, timeout: float = 10) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_every_slice_runs_on_the_one_compute_thread_in_order() -> None:
+    compute = ComputeThread()
+    recorder = _Recorder()
+    seen: list[int] = []
+    try:
+        compute.evaluate(lambda tokens: seen.extend(tokens), list(range(1200)), batch=500)
+        compute.evaluate(recorder.evaluator("a"), [1, 2, 3], batch=500)
+        compute.evaluate(recorder.evaluator("empty"), [], batch=500)
+        threads = [_submit(compute, recorder.evaluator(f"t{i}"), [i] * 7) for i in range(4)]
+        for thread in threads:
+            thread.join()
+    finally:
+        compute.close()
+    assert seen == list(range(1200))  # 500 + 500 + 200, in order
+    assert compute.evaluations == 3 + 1 + 1 + 4 and compute.tokens == 1200 + 3 + 7 * 4
+    assert {ident for _, _, ident in recorder.calls} == {compute._thread.ident}  # noqa: SLF001
+    assert ("empty", 0, compute._thread.ident) in recorder.calls  # noqa: SLF001
+
+
+def test_short_evaluations_go_between_the_chunks_of_a_long_one_and_the_oldest_prompt_first() -> None:
+    compute = ComputeThread()
+    recorder = _Recorder()
+    gate = threading.Event()
+    try:
+        long_one = _submit(compute, recorder.evaluator("long", gate), list(range(1000)))
+        _wait_until(lambda: compute.waiting == 0 and not gate.is_set() and compute.evaluations == 0)
+        time.sleep(0.05)  # the first chunk is running (blocked on the gate)
+        later = _submit(compute, recorder.evaluator("later"), list(range(300)))
+        _wait_until(lambda: compute.waiting == 1)
+        shorts = [_submit(compute, recorder.evaluator(f"short{i}"), [i]) for i in range(2)]
+        _wait_until(lambda: compute.waiting == 3)
+        gate.set()
+        for thread in [long_one, later, *shorts]:
+            thread.join()
+    finally:
+        compute.close()
+    order = [(name, n) for name, n, _ in recorder.calls]
+    # The first chunk is a whole batch (nothing waited when it started); the short ones go next; the
+    # oldest prompt is then read in fair chunks while the later one waits, and finished first.
+    assert order[:3] == [("long", 512), ("short0", 1), ("short1", 1)]
+    assert order[3:] == [("long", FAIR_CHUNK_TOKENS), ("long", 1000 - 512 - FAIR_CHUNK_TOKENS), ("later", 300)]
+
+
+def test_what_is_left_of_a_long_evaluation_waits_with_the_short_ones() -> None:
+    compute = ComputeThread()
+    recorder = _Recorder()
+    gate = threading.Event()
+    tokens = 512 + SHORT_TOKENS  # after one batch, SHORT_TOKENS are left: a short evaluation
+    try:
+        first = _submit(compute, recorder.evaluator("prompt", gate), list(range(tokens)))
+        time.sleep(0.05)
+        step = _submit(compute, recorder.evaluator("step"), [1])
+        _wait_until(lambda: compute.waiting == 1)
+        gate.set()
+        first.join()
+        step.join()
+    finally:
+        compute.close()
+    assert [(name, n) for name, n, _ in recorder.calls] == [("prompt", 512), ("step", 1), ("prompt", SHORT_TOKENS)]
+
+
+def test_errors_reach_their_caller_and_stop_the_rest_of_its_slices() -> None:
+    compute = ComputeThread()
+    calls: list[int] = []
+
+    def failing(tokens: Sequence[int]) -> None:
+        calls.append(len(tokens))
+        if len(calls) == 2:
+            raise ValueError("token 7 is not in the vocabulary")
+
+    try:
+        with pytest.raises(ValueError, match="vocabulary"):
+            compute.evaluate(failing, list(range(300)), batch=100)
+        assert calls == [100, 100]
+        compute.evaluate(lambda tokens: calls.append(-len(tokens)), [1], batch=100)  # the thread lives on
+        assert calls[-1] == -1
+        with pytest.raises(ValueError, match="batch"):
+            compute.evaluate(lambda tokens: None, [1], batch=0)
+    finally:
+        compute.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        compute.evaluate(lambda tokens: None, [1], batch=1)
+    compute.close()  # idempotent
+
+
+def test_a_cancelled_evaluation_stops_between_chunks() -> None:
+    compute = ComputeThread()
+    cancel = threading.Event()
+    calls: list[int] = []
+
+    def evaluate(tokens: Sequence[int]) -> None:
+        calls.append(len(tokens))
+        cancel.set()  # cancelled while its first chunk runs
+
+    try:
+        with pytest.raises(EvaluationCancelled):
+            compute.evaluate(evaluate, list(range(1000)), batch=512, cancelled=cancel.is_set)
+        assert calls == [512]
+        # Cancellation is asked between chunks only: a one-chunk evaluation runs whole.
+        compute.evaluate(evaluate, [1, 2], batch=512, cancelled=cancel.is_set)
+        assert calls == [512, 2]
+    finally:
+        compute.close()
+
+
+def test_the_compute_thread_cannot_wait_for_itself() -> None:
+    compute = ComputeThread()
+    errors: list[BaseException] = []
+
+    def nested(tokens: Sequence[int]) -> None:
+        try:
+            compute.evaluate(lambda t: None, [1], batch=1)
+        except RuntimeError as error:
+            errors.append(error)
+
+    try:
+        compute.evaluate(nested, [1], batch=1)
+    finally:
+        compute.close()
+    assert len(errors) == 1 and "compute thread itself" in str(errors[0])
