@@ -158,3 +158,30 @@ def test_the_compute_thread_cannot_wait_for_itself() -> None:
     finally:
         compute.close()
     assert len(errors) == 1 and "compute thread itself" in str(errors[0])
+
+
+def test_calls_run_on_the_compute_thread_in_turn_with_short_evaluations() -> None:
+    compute = ComputeThread()
+    recorder = _Recorder()
+    gate = threading.Event()
+    results: list[int] = []
+    try:
+        prompt = _submit(compute, recorder.evaluator("prompt", gate), list(range(600)))
+        time.sleep(0.05)
+        step = _submit(compute, recorder.evaluator("step"), [1])
+        _wait_until(lambda: compute.waiting == 1)
+        copier = threading.Thread(target=lambda: results.append(
+            compute.call(lambda: recorder.calls.append(("copy", 0, threading.get_ident())) or 42)))
+        copier.start()
+        _wait_until(lambda: compute.waiting == 2)
+        gate.set()
+        for thread in (prompt, step, copier):
+            thread.join()
+        with pytest.raises(ZeroDivisionError):
+            compute.call(lambda: 1 // 0)
+    finally:
+        compute.close()
+    assert results == [42]
+    assert [(name, n) for name, n, _ in recorder.calls] == [("prompt", 512), ("step", 1), ("copy", 0), ("prompt", 88)]
+    assert {ident for _, _, ident in recorder.calls} == {compute._thread.ident}  # noqa: SLF001
+    assert compute.evaluations == 3 and compute.tokens == 601  # calls are not evaluations

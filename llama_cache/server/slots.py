@@ -60,9 +60,10 @@ class Cancelled(Exception):
 class SlotLlama(Llama):
     """A :class:`llama_cache.Llama` that evaluates on the server's compute thread and obeys its request.
 
-    ``compute``, when set, runs every evaluation (see :mod:`.compute`): the tokens are checked here,
-    then evaluated there in chunks, and ``request_cancelled`` (when set) is asked between chunks, so a
-    cancelled request stops reading a long prompt at the next chunk (:class:`EvaluationCancelled`).
+    ``compute``, when set, runs every evaluation and every copy of the context's state out or in (see
+    :mod:`.compute`): the tokens are checked here, then evaluated there in chunks, and
+    ``request_cancelled`` (when set) is asked between chunks, so a cancelled request stops reading a
+    long prompt at the next chunk (:class:`EvaluationCancelled`).
 
     ``request_stop``, when set, is added to every completion's stopping criteria (chat handlers replace
     the caller's criteria with their own, so it cannot be passed as an argument): llama-cpp-python calls
@@ -86,6 +87,19 @@ class SlotLlama(Llama):
         checked = self._checked_tokens(tokens)  # all of them, before any chunk is evaluated
         compute.evaluate(super().eval, checked, self.n_batch, cancelled=self.request_cancelled)
         return None
+
+    def save_state(self) -> Any:
+        """As :meth:`llama_cache.Llama.save_state`, on the compute thread (see :meth:`.ComputeThread.call`)."""
+        save = super().save_state
+        return save() if self.compute is None else self.compute.call(save)
+
+    def load_state(self, state: Any) -> None:
+        """As :meth:`llama_cache.Llama.load_state`, on the compute thread (see :meth:`.ComputeThread.call`)."""
+        load = super().load_state
+        if self.compute is None:
+            load(state)
+        else:
+            self.compute.call(lambda: load(state))
 
     def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         extra = self.request_stop
