@@ -12,7 +12,9 @@ Servers, each started as a subprocess on a free port:
 
 - ``llama-cache serve --parallel 4`` (RAM prompt cache);
 - llama-cpp-python's server, ``python -m llama_cpp.server --cache true`` (one request at a time, a new
-  request interrupts a running stream);
+  request interrupts a running stream), twice: ``llama-cpp-python`` with every setting below equal to the
+  others', and ``llama-cpp-python-defaults`` with only the context size and the cache set, as its users
+  run it (half the logical CPUs generating, flash attention off);
 - llama.cpp's ``llama-server -np 4`` (host-memory prompt cache), from ``$LLAMA_SERVER`` or
   ``~/.cache/llama-cache/llama-server/llama-server``; skipped with a message when absent. Build it once
   (outside the repository) from the llama.cpp sources vendored in llama-cpp-python's sdist::
@@ -21,7 +23,8 @@ Servers, each started as a subprocess on a free port:
       cd llama_cpp_python-0.3.36 && cmake -B build vendor/llama.cpp -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
       nice -n 19 cmake --build build --target llama-server -j1
 
-Like is compared with like: every server gets the same model, context size per request (``--n-ctx``;
+Like is compared with like: every server but ``llama-cpp-python-defaults`` gets the same model,
+context size per request (``--n-ctx``;
 llama-server's ``-c`` is split between its slots, so it gets ``n_ctx * parallel``), llama.cpp threads
 for prompts and for generation (``--threads``, default one per physical core: llama-server's own
 default, which the others are given explicitly, since llama-cpp-python would generate on half the
@@ -30,10 +33,14 @@ logical CPUs), batch and micro-batch (512, llama-cpp-python's default) and flash
 each server's own default, llama-cpp-python's ``logits_all=True`` included (its server needs it for
 logprobs). The settings are printed with the table and written to the JSON.
 
+The runs are interleaved (every server at one concurrency, then the next concurrency, then the next
+round: ``--rounds``), so that a slow spell of a shared machine falls on every server alike; the table
+shows each measure's median over the rounds, then the issue's targets as ratios of those medians.
+
 Prints a table and writes ``benchmarks/results/serve.json``::
 
-    tools/run python benchmarks/serve.py [--servers llama-cache,llama-cpp-python,llama-server]
-        [--threads N] [--flash-attn on|off]
+    tools/run python benchmarks/serve.py [--servers llama-cache,llama-server,llama-cpp-python,...]
+        [--rounds R] [--threads N] [--flash-attn on|off]
     tools/run python benchmarks/serve.py --users 2 --turns 2 --concurrency 1   # a quick sanity check
 """
 
@@ -273,6 +280,9 @@ def _commands(name: str, model: Path, settings: Settings, port: int, llama_serve
                 "--n_ctx", str(s.n_ctx), "--cache", "true", "--n_threads", str(s.threads),
                 "--n_threads_batch", str(s.threads), "--n_batch", str(s.n_batch), "--n_ubatch", str(s.n_batch),
                 "--flash_attn", str(s.flash_attn).lower()]
+    if name == "llama-cpp-python-defaults":  # what its users get: only the context size and the cache set
+        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+                "--n_ctx", str(s.n_ctx), "--cache", "true"]
     if name == "llama-server":
         if llama_server is None:
             return None
@@ -306,8 +316,10 @@ def _find_llama_server() -> Path | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--servers", default="llama-cache,llama-cpp-python,llama-server")
+    parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--concurrency", default="1,4")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every server this many times, interleaved; the table shows medians")
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -323,35 +335,106 @@ def main(argv: list[str] | None = None) -> int:
     model = default_model_path()
     llama_server = _find_llama_server()
     levels = [int(c) for c in args.concurrency.split(",")]
+    names = [name for name in args.servers.split(",") if name]
+    if llama_server is None and "llama-server" in names:
+        print(f"llama-server: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "
+              f"{DEFAULT_LLAMA_SERVER}; see this script's docstring)", file=sys.stderr)
+        names.remove("llama-server")
     settings = Settings(args.n_ctx, args.parallel, args.threads, args.flash_attn)
     results: dict[str, Any] = {"model": model.name, "n_ctx": args.n_ctx, "parallel": args.parallel,
                                "threads": settings.threads, "n_batch": settings.n_batch,
                                "n_ubatch": settings.n_batch, "flash_attn": settings.flash_attn,
                                "users": args.users, "turns": args.turns, "max_tokens": args.max_tokens,
-                               "servers": {}}
+                               "rounds": args.rounds, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    for name in args.servers.split(","):
+    # Interleaved (round, level, server): a slow spell of this shared machine hits every server alike.
+    for round_number in range(args.rounds):
         for concurrency in levels:
-            command = _commands(name, model, settings, _free_port(), llama_server)
-            if command is None:
-                print(f"{name}: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "
-                      f"{DEFAULT_LLAMA_SERVER}; see this script's docstring)", file=sys.stderr)
-                break
-            port = int(command[command.index("--port") + 1])
-            workload = Workload.make(args.users, args.turns, args.max_tokens, args.system_words, args.document_words)
-            log = args.out.parent / f"serve-{name}-c{concurrency}.log"
-            print(f"{name}, concurrency {concurrency}...", file=sys.stderr, flush=True)
-            results.setdefault("commands", {})[name] = command  # the last level's (ports differ)
-            # A fresh server per level: no level starts with the other's cache.
-            with _server(command, port, env, log) as url:
-                row = run_workload(url, workload, concurrency)
-                row["server_metrics"] = _cache_metrics(url)
-            results["servers"].setdefault(name, []).append(row)
+            for name in names:
+                command = _commands(name, model, settings, _free_port(), llama_server)
+                assert command is not None
+                port = int(command[command.index("--port") + 1])
+                workload = Workload.make(args.users, args.turns, args.max_tokens, args.system_words,
+                                         args.document_words)
+                log = args.out.parent / f"serve-{name}-c{concurrency}.log"
+                print(f"round {round_number + 1}/{args.rounds}: {name}, concurrency {concurrency}...",
+                      file=sys.stderr, flush=True)
+                results.setdefault("commands", {})[name] = command  # the last run's (ports differ)
+                # A fresh server per run: no run starts with another's cache.
+                with _server(command, port, env, log) as url:
+                    row = run_workload(url, workload, concurrency)
+                    row["server_metrics"] = _cache_metrics(url)
+                row["round"] = round_number
+                results["servers"].setdefault(name, []).append(row)
+    results["summary"] = _summary(results)
+    results["targets"] = _targets(results["summary"])
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(_table(results))
+    print(_targets_text(results["targets"]))
     print(f"\nwritten to {args.out}")
     return 0
+
+
+SERVERS = ("llama-cache", "llama-server", "llama-cpp-python", "llama-cpp-python-defaults")
+_SUMMARISED = ("ttft_first_p50", "ttft_first_p95", "ttft_later_p50", "ttft_later_p95", "whole_run_s",
+               "interrupted_streams")
+
+
+def _summary(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
+    """Per server and concurrency, each measure's median over the rounds."""
+    summary: dict[str, dict[str, dict[str, float | None]]] = {}
+    for name, rows in results["servers"].items():
+        for concurrency in sorted({row["concurrency"] for row in rows}):
+            runs = [row for row in rows if row["concurrency"] == concurrency]
+            summary.setdefault(name, {})[str(concurrency)] = {
+                key: (statistics.median(values) if (values := [r[key] for r in runs if r[key] is not None]) else None)
+                for key in _SUMMARISED
+            } | {"load_average": [min(r["load_average"][0] for r in runs), max(r["load_average"][1] for r in runs)]}
+    return summary
+
+
+def _targets(summary: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """The issue's ratios per concurrency: ours against llama-server's and llama-cpp-python's servers.
+
+    ``later_vs_llama_server`` (target at most 1.0) and ``whole_vs_llama_server`` (at most 1.1) are our
+    time over theirs; ``later_speedup_over_*`` (at least 5) and ``whole_speedup_over_*`` (at least 2)
+    are their time over ours.
+    """
+    ours = summary.get("llama-cache", {})
+    targets: dict[str, dict[str, float | None]] = {}
+    for concurrency, row in ours.items():
+        ratios: dict[str, float | None] = {}
+        for other, key in (("llama-server", "vs_llama_server"),):
+            theirs = summary.get(other, {}).get(concurrency)
+            ratios[f"later_{key}"] = _ratio(row["ttft_later_p50"], theirs and theirs["ttft_later_p50"])
+            ratios[f"whole_{key}"] = _ratio(row["whole_run_s"], theirs and theirs["whole_run_s"])
+        for other in ("llama-cpp-python", "llama-cpp-python-defaults"):
+            theirs = summary.get(other, {}).get(concurrency)
+            ratios[f"later_speedup_over_{other}"] = _ratio(theirs and theirs["ttft_later_p50"], row["ttft_later_p50"])
+            ratios[f"whole_speedup_over_{other}"] = _ratio(theirs and theirs["whole_run_s"], row["whole_run_s"])
+        targets[concurrency] = ratios
+    return targets
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if not numerator or not denominator else numerator / denominator
+
+
+def _targets_text(targets: dict[str, dict[str, float | None]]) -> str:
+    def r(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    lines = ["", "the issue's targets, llama-cache against (ratios of medians):"]
+    for concurrency, t in targets.items():
+        lines.append(
+            f"  concurrency {concurrency}: later turns {r(t['later_vs_llama_server'])} llama-server's time (target "
+            f"<= 1.00x), {r(t['later_speedup_over_llama-cpp-python'])} faster than llama-cpp-python's (>= 5x; "
+            f"its defaults: {r(t['later_speedup_over_llama-cpp-python-defaults'])}); whole run "
+            f"{r(t['whole_vs_llama_server'])} llama-server's (<= 1.10x), "
+            f"{r(t['whole_speedup_over_llama-cpp-python'])} faster than llama-cpp-python's (>= 2x; its defaults: "
+            f"{r(t['whole_speedup_over_llama-cpp-python-defaults'])})")
+    return "\n".join(lines)
 
 
 def _table(results: dict[str, Any]) -> str:
@@ -364,15 +447,15 @@ def _table(results: dict[str, Any]) -> str:
         f"every server: n_ctx {results['n_ctx']} per request, {results['parallel']} slots where it has them, "
         f"{results['threads']} threads (prompt and generation), batch {results['n_batch']}/{results['n_ubatch']}, "
         f"flash attention {'on' if results['flash_attn'] else 'off'}",
-        f"{'server':<18} {'conc':>4} {'TTFT t1 p50':>11} {'t1 p95':>7} {'later p50':>9} {'later p95':>9} "
+        f"{'server':<25} {'conc':>4} {'TTFT t1 p50':>11} {'t1 p95':>7} {'later p50':>9} {'later p95':>9} "
         f"{'whole run s':>11} {'cut':>4} {'load':>10}",
     ]
-    for name, rows in results["servers"].items():
-        for row in rows:
+    for name, levels in results["summary"].items():
+        for concurrency, row in levels.items():
             lines.append(
-                f"{name:<18} {row['concurrency']:>4} {s(row['ttft_first_p50']):>11} {s(row['ttft_first_p95']):>7} "
+                f"{name:<25} {concurrency:>4} {s(row['ttft_first_p50']):>11} {s(row['ttft_first_p95']):>7} "
                 f"{s(row['ttft_later_p50']):>9} {s(row['ttft_later_p95']):>9} {row['whole_run_s']:>11.2f} "
-                f"{row['interrupted_streams']:>4} {row['load_average'][0]:>4.1f}-{row['load_average'][1]:<4.1f}"
+                f"{row['interrupted_streams']:>4.0f} {row['load_average'][0]:>4.1f}-{row['load_average'][1]:<4.1f}"
             )
     return "\n".join(lines)
 
