@@ -713,6 +713,37 @@ def test_a_prompt_sharing_the_head_of_an_answered_request_waits_for_its_slot() -
     asyncio.run(scenario())
 
 
+def test_the_tokenization_memo_keeps_the_latest_texts_and_their_exact_tokens() -> None:
+    from llama_cache.server.slots import TokenizationMemo
+
+    memo = TokenizationMemo(capacity=2)
+    memo.put((b"a", True, False), [1, 2])
+    memo.put((b"b", True, False), [3])
+    assert memo.get((b"a", True, False)) == (1, 2)  # now the most recently used
+    assert memo.get((b"a", False, False)) is None and memo.get((b"a", True, True)) is None
+    memo.put((b"c", True, False), [4])
+    assert memo.get((b"b", True, False)) is None  # the least recently used went
+    assert memo.get((b"a", True, False)) == (1, 2) and memo.get((b"c", True, False)) == (4,)
+    with pytest.raises(ValueError):
+        TokenizationMemo(capacity=0)
+
+
+def test_contexts_share_tokenizations_and_return_the_tokens_llama_cpp_does(
+    server: _LiveServer, reference: Llama
+) -> None:
+    first, second = (slot.llama for slot in server.engine.pool.slots[:2])
+    assert first.tokenized is not None and first.tokenized is second.tokenized
+    text = f"<|im_start|>user\nName {time.monotonic_ns()} colours.<|im_end|>\n".encode()
+    for add_bos, special in ((True, True), (False, True), (True, False)):
+        expected = reference.tokenize(text, add_bos=add_bos, special=special)
+        assert first.tokenize(text, add_bos=add_bos, special=special) == expected
+        assert first.tokenized.get((text, add_bos, special)) == tuple(expected)
+        again = second.tokenize(text, add_bos=add_bos, special=special)  # the memo's answer
+        assert again == expected
+        again.append(0)  # a caller's list is its own
+        assert second.tokenize(text, add_bos=add_bos, special=special) == expected
+
+
 def test_settings_come_from_options_then_environment_then_defaults() -> None:
     import argparse
 

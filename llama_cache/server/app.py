@@ -58,7 +58,17 @@ from llama_cache.server.protocol import (
     parse_completion_request,
     parse_json_body,
 )
-from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, SlotLlama, SlotPool, prompt_tokens_for_chat, run_job
+from llama_cache.server.slots import (
+    Cancelled,
+    Job,
+    QueueFull,
+    Slot,
+    SlotLlama,
+    SlotPool,
+    TokenizationMemo,
+    prompt_tokens_for_chat,
+    run_job,
+)
 
 __all__ = ["Engine", "create_app", "load_engine"]
 
@@ -119,12 +129,14 @@ def load_engine(config: ServerConfig) -> Engine:
     cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
     options = config.context_options()
     compute = ComputeThread()
+    tokenized = TokenizationMemo()
     slots = []
     try:
         for index in range(config.parallel):
             llama = SlotLlama(model_path=str(path), verbose=False, **options)
             llama.set_cache(cache)  # binds unbound disk and Redis tiers to this model
             llama.compute = compute
+            llama.tokenized = tokenized
             slots.append(Slot(index=index, llama=llama))
     except BaseException:
         compute.close()

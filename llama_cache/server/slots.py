@@ -30,7 +30,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,8 +43,8 @@ import numpy.typing as npt
 from llama_cache.llama import Llama
 from llama_cache.server.compute import ComputeThread, EvaluationCancelled
 
-__all__ = ["MIN_SHARED_TOKENS", "Job", "QueueFull", "Slot", "SlotLlama", "SlotPool", "prompt_tokens_for_chat",
-           "run_job"]
+__all__ = ["MIN_SHARED_TOKENS", "Job", "QueueFull", "Slot", "SlotLlama", "SlotPool", "TokenizationMemo",
+           "prompt_tokens_for_chat", "run_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,7 @@ class SlotLlama(Llama):
     """
 
     compute: ComputeThread | None = None
+    tokenized: TokenizationMemo | None = None
     request_cancelled: Callable[[], bool] | None = None
     request_stop: Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool] | None = None
 
@@ -87,6 +88,18 @@ class SlotLlama(Llama):
         checked = self._checked_tokens(tokens)  # all of them, before any chunk is evaluated
         compute.evaluate(super().eval, checked, self.n_batch, cancelled=self.request_cancelled)
         return None
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """As ``llama_cpp.Llama.tokenize``; a text tokenized lately by any context is looked up in ``tokenized``."""
+        memo = self.tokenized
+        if memo is None:
+            return super().tokenize(text, add_bos, special)
+        key = (bytes(text), bool(add_bos), bool(special))
+        tokens = memo.get(key)
+        if tokens is None:
+            tokens = super().tokenize(text, add_bos, special)
+            memo.put(key, tokens)
+        return list(tokens)
 
     def save_state(self) -> Any:
         """As :meth:`llama_cache.Llama.save_state`, on the compute thread (see :meth:`.ComputeThread.call`)."""
@@ -107,6 +120,42 @@ class SlotLlama(Llama):
             existing = kwargs.get("stopping_criteria") or []
             kwargs["stopping_criteria"] = llama_cpp.StoppingCriteriaList([*existing, extra])
         return super()._create_completion(*args, **kwargs)
+
+
+class TokenizationMemo:
+    """The texts a server's contexts tokenized last, with their tokens (all contexts share one vocabulary).
+
+    A chat request's prompt is rendered and tokenized once to route it (off the event loop) and again by
+    llama-cpp-python's chat handler on its context: the second is a lookup here (tokenizing a 1,000-token
+    prompt takes about 3 ms). Keys hold the text itself, not a hash, so a lookup cannot return another
+    text's tokens. Thread-safe; O(1) per call plus hashing the text.
+
+    Args:
+        capacity: texts kept, least recently used dropped first.
+    """
+
+    def __init__(self, capacity: int = 32) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self._entries: OrderedDict[tuple[bytes, bool, bool], tuple[int, ...]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[bytes, bool, bool]) -> tuple[int, ...] | None:
+        """The tokens stored for (text, add_bos, special), or None."""
+        with self._lock:
+            tokens = self._entries.get(key)
+            if tokens is not None:
+                self._entries.move_to_end(key)
+            return tokens
+
+    def put(self, key: tuple[bytes, bool, bool], tokens: Sequence[int]) -> None:
+        """Remember ``tokens`` for (text, add_bos, special), dropping the least recently used beyond capacity."""
+        with self._lock:
+            self._entries[key] = tuple(tokens)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
 
 
 @dataclass
