@@ -22,12 +22,11 @@ Token sequences are validated and converted by :mod:`llama_cache.tokens`.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar, cast
+from typing import Generic, TypeVar, cast
 
 import numpy as np
-import numpy.typing as npt
 
 from llama_cache.tokens import TokenArray, Tokens, as_token_array
 from llama_cache.tokens import readonly as _readonly

@@ -403,6 +403,8 @@ def test_every_evaluation_runs_on_the_compute_thread(server: _LiveServer) -> Non
     # (it stops before evaluating it); an end-of-generation token is neither counted nor evaluated.
     generated = reply.usage.completion_tokens - (1 if reply.choices[0].finish_reason == "length" else 0)
     assert compute.tokens - tokens_before == evaluated_prompt + generated
+    assert after["llama_cache_evaluated_tokens_total"] == compute.tokens  # as /metrics reports it
+    assert after["llama_cache_evaluations_waiting"] == 0
 
 
 def test_a_client_that_disconnects_while_its_prompt_is_read_stops_it_at_the_next_chunk(

@@ -114,6 +114,16 @@ def test_errors_reach_their_caller_and_stop_the_rest_of_its_slices() -> None:
         assert calls == [100, 100]
         compute.evaluate(lambda tokens: calls.append(-len(tokens)), [1], batch=100)  # the thread lives on
         assert calls[-1] == -1
+
+        def broken_check() -> bool:
+            raise RuntimeError("the cancellation check failed")
+
+        with pytest.raises(RuntimeError, match="cancellation check"):
+            compute.evaluate(lambda tokens: calls.append(len(tokens)), list(range(150)), batch=100,
+                             cancelled=broken_check)
+        assert calls[-1] == 100  # the first slice ran, the check failed before the second
+        compute.evaluate(lambda tokens: calls.append(-2), [1], batch=100)
+        assert calls[-1] == -2
         with pytest.raises(ValueError, match="batch"):
             compute.evaluate(lambda tokens: None, [1], batch=0)
     finally:

@@ -20,7 +20,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_cache import IncompatibleStateError, Llama, LlamaCache, LlamaRAMCache, LlamaState, default_model_path
+from llama_cache import IncompatibleStateError, Llama, LlamaCache, LlamaRAMCache, default_model_path
 from llama_cache.measure import recording_evals
 from llama_cache.state import fingerprint as fingerprint_module
 from llama_cache.state.fingerprint import COVERED_PARAMS, IGNORED_PARAMS, file_identity, model_fingerprint

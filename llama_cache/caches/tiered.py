@@ -28,9 +28,9 @@ lookup is a miss of that tier counted in ``stats().lookup_errors``; each is logg
 tier, action and exception type, then at DEBUG.
 
 **Exit and fork.** Live tiered caches are flushed at interpreter exit. Before ``fork`` each drains its
-queue into its tiers and holds its locks; the child starts with an empty queue and no writer. These
-hooks are registered after the disk tier's (imported first for that reason: hooks run in reverse
-order of registration), so a queue is drained into a disk tier before that tier drains its own.
+queue into its tiers and holds its locks; the child starts with an empty queue and no writer. They
+register with :mod:`llama_cache.caches.lifecycle` as the pipeline's front, so a queue is drained into
+a disk tier before that tier drains its own.
 
 The module is a little past the ~400 lines DESIGN.md asks for: it is one class whose lookups, writer
 thread and fork hooks share one queue and two locks; half of it is docstrings.
@@ -38,11 +38,8 @@ thread and fork hooks share one queue and two locks; half of it is docstrings.
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
@@ -51,7 +48,7 @@ from typing import Any, NamedTuple, TypeVar
 import llama_cpp
 import numpy as np
 
-import llama_cache.caches.disk.writer  # noqa: F401 - its exit and fork hooks must be registered before ours
+from llama_cache.caches import lifecycle
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.values import state_tokens
@@ -131,7 +128,7 @@ class TieredCache(BaseLlamaCache):
         self._dropped = 0
         self._writer: threading.Thread | None = None
         self._fork_locked = False
-        _LIVE.add(self)
+        lifecycle.register(self, stage=lifecycle.FRONT)
 
     # ------------------------------------------------------------------------------------ lookups
 
@@ -435,37 +432,3 @@ class TieredCache(BaseLlamaCache):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}([{', '.join(map(repr, self.tiers))}], max_pending={self.max_pending})"
-
-
-# Every live tiered cache, for the exit and fork hooks.
-_LIVE: weakref.WeakSet[TieredCache] = weakref.WeakSet()
-
-
-def _flush_all() -> None:
-    for cache in list(_LIVE):
-        try:
-            cache.flush()
-        except Exception:  # noqa: BLE001 - at exit, one cache's failure must not stop the others
-            logger.exception("tiered cache: flush at exit failed")
-
-
-def _before_fork() -> None:
-    for cache in list(_LIVE):
-        cache._before_fork()
-
-
-def _after_fork_in_parent() -> None:
-    for cache in list(_LIVE):
-        cache._after_fork_in_parent()
-
-
-def _after_fork_in_child() -> None:
-    for cache in list(_LIVE):
-        cache._reset_after_fork()
-
-
-atexit.register(_flush_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
-    )

@@ -253,6 +253,7 @@ class _Server:
             queue_depth=lambda: engine.pool.queue_depth,
             running=lambda: engine.pool.running,
             slots=lambda: len(engine.pool.slots),
+            compute=lambda: (engine.compute.waiting, engine.compute.tokens),
         )
         self.jobs: set[Job] = set()
         self.worker_futures: set[asyncio.Future[Any]] = set()

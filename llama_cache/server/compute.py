@@ -154,29 +154,31 @@ class ComputeThread:
 
     def _run(self) -> None:
         while (job := self._next()) is not None:
-            remaining = len(job.tokens) - job.done
-            was_long = remaining > SHORT_TOKENS
-            if job.done > 0 and job.cancelled is not None and job.cancelled():
-                job.future.set_exception(EvaluationCancelled())
-                continue
-            n = min(remaining, job.batch, FAIR_CHUNK_TOKENS if self.waiting else job.batch)
             try:
-                job.evaluate(job.tokens[job.done : job.done + n])
-            except BaseException as error:  # noqa: BLE001 - handed to the caller, whatever it is
+                self._step(job)
+            except BaseException as error:  # noqa: BLE001 - the caller gets it; this thread serves on
                 job.future.set_exception(error)
-                continue
-            if job.counted:
-                self.evaluations += 1
-                self.tokens += n
-            job.done += n
-            finished = job.done == len(job.tokens)
-            with self._condition:
-                if not finished:
-                    if job.short:  # what is left of a prompt is short now: it waits with those
-                        self._short.append(job)
-                    else:
-                        self._long.appendleft(job)  # the oldest prompt goes on being read first
-                if was_long:  # a round ends with a long chunk; the next serves every short one waiting
-                    self._short_in_round = len(self._short)
-            if finished:
-                job.future.set_result(None)
+
+    def _step(self, job: _Evaluation) -> None:
+        """Evaluate one slice of ``job``; put it back in line or complete its future."""
+        remaining = len(job.tokens) - job.done
+        was_long = remaining > SHORT_TOKENS
+        if job.done > 0 and job.cancelled is not None and job.cancelled():
+            raise EvaluationCancelled()
+        n = min(remaining, job.batch, FAIR_CHUNK_TOKENS if self.waiting else job.batch)
+        job.evaluate(job.tokens[job.done : job.done + n])
+        if job.counted:
+            self.evaluations += 1
+            self.tokens += n
+        job.done += n
+        finished = job.done == len(job.tokens)
+        with self._condition:
+            if not finished:
+                if job.short:  # what is left of a prompt is short now: it waits with those
+                    self._short.append(job)
+                else:
+                    self._long.appendleft(job)  # the oldest prompt goes on being read first
+            if was_long:  # a round ends with a long chunk; the next serves every short one waiting
+                self._short_in_round = len(self._short)
+        if finished:
+            job.future.set_result(None)

@@ -16,6 +16,8 @@ figures are read when ``/metrics`` is scraped, from ``cache.stats()`` and the sl
     llama_cache_queue_depth                             requests waiting for a slot
     llama_cache_requests_running                        requests holding a slot
     llama_cache_slots                                   contexts (``--parallel``)
+    llama_cache_evaluations_waiting                     evaluations waiting for the compute thread
+    llama_cache_evaluated_tokens_total                  tokens evaluated (prompts' new tokens, generated tokens)
 """
 
 from __future__ import annotations
@@ -40,11 +42,13 @@ class _LiveCollector(Collector):
     """Reads the caches' counters and the pool's queue at scrape time."""
 
     def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]], queue_depth: Callable[[], int],
-                 running: Callable[[], int], slots: Callable[[], int]) -> None:
+                 running: Callable[[], int], slots: Callable[[], int],
+                 compute: Callable[[], tuple[int, int]] | None) -> None:
         self._caches = caches
         self._queue_depth = queue_depth
         self._running = running
         self._slots = slots
+        self._compute = compute
 
     def collect(self) -> Iterable[Metric]:
         families = {
@@ -73,6 +77,12 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Requests waiting for a slot", value=self._queue_depth())
         yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding a slot", value=self._running())
         yield GaugeMetricFamily(f"{PREFIX}_slots", "Contexts serving requests", value=self._slots())
+        if self._compute is not None:
+            waiting, evaluated = self._compute()
+            yield GaugeMetricFamily(f"{PREFIX}_evaluations_waiting",
+                                    "Evaluations waiting for the compute thread", value=waiting)
+            yield CounterMetricFamily(f"{PREFIX}_evaluated_tokens",
+                                      "Tokens evaluated: prompts' new tokens and generated tokens", value=evaluated)
 
 
 class ServerMetrics:
@@ -81,12 +91,15 @@ class ServerMetrics:
     Args:
         caches: returns ``(tier, cache)`` pairs to report (``tier`` is ``"ram"``, ``"disk"`` or ``"redis"``).
         queue_depth, running, slots: read the pool at scrape time.
+        compute: returns (evaluations waiting, tokens evaluated) of the compute thread at scrape time;
+            None: not reported.
 
     Thread-safe (prometheus-client's metrics are).
     """
 
     def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]], queue_depth: Callable[[], int],
-                 running: Callable[[], int], slots: Callable[[], int]) -> None:
+                 running: Callable[[], int], slots: Callable[[], int],
+                 compute: Callable[[], tuple[int, int]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -104,7 +117,7 @@ class ServerMetrics:
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens",
                                          "Tokens sampled (end-of-generation tokens included)",
                                          registry=self.registry)
-        self.registry.register(_LiveCollector(caches, queue_depth, running, slots))
+        self.registry.register(_LiveCollector(caches, queue_depth, running, slots, compute))
 
     def render(self) -> bytes:
         """The registry in Prometheus's text exposition format."""

@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
+from llama_cache.caches import lifecycle
 from llama_cache.caches.disk import chunked, chunkstore
 from llama_cache.caches.disk.checker import CheckReport, StorageReport, _check, _reclaim_orphans, _storage
 from llama_cache.caches.disk.payloads import DATA_DIR, _compress_level, _DataDir, _Unreadable
@@ -63,7 +64,7 @@ from llama_cache.caches.disk.schema import (
     _transaction,
 )
 from llama_cache.caches.disk.view import _IndexView
-from llama_cache.caches.disk.writer import _LIVE, _WriteQueue
+from llama_cache.caches.disk.writer import _WriteQueue
 from llama_cache.state.format import (
     KIND_LLAMA_CACHE,
     KIND_UPSTREAM,
@@ -235,7 +236,7 @@ class LlamaDiskCache(BaseLlamaCache):
         with self._lock:
             self._connection()  # fail early on an unusable directory
         _reclaim_orphans(self, ORPHAN_GRACE_SECONDS)
-        _LIVE.add(self)
+        lifecycle.register(self, stage=lifecycle.BACK)
 
     # ---------------------------------------------------------------------------------- namespaces
 

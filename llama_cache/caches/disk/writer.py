@@ -9,26 +9,20 @@ when no writer thread is alive (it died, or this is a forked child) the waiting 
 itself. The writer thread never waits for itself. A ``store`` exception is logged with its traceback and
 reported, never raised: the writer outlives one bad state.
 
-The hooks at the bottom flush every live :class:`~llama_cache.caches.disk.LlamaDiskCache` at interpreter
-exit, and around ``fork`` let each cache drain its queue and hold its lock (parent), or drop what
-belongs to the parent process (child). Caches register themselves in ``_LIVE``.
+Each :class:`~llama_cache.caches.disk.LlamaDiskCache` registers with :mod:`llama_cache.caches.lifecycle`,
+whose hooks flush it at interpreter exit and, around ``fork``, let it drain its queue and hold its lock
+(parent), or drop what belongs to the parent process (child).
 
 Thread-safety: every method of :class:`_WriteQueue` may be called from any thread.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
-import os
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from llama_cache.caches.disk.cache import LlamaDiskCache
+from typing import Any
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -131,37 +125,3 @@ class _WriteQueue:
         self._queue.clear()
         self._completed = self._submitted
         self._writer = None
-
-
-# Every live cache, for the exit and fork hooks.
-_LIVE: weakref.WeakSet[LlamaDiskCache] = weakref.WeakSet()
-
-
-def _flush_all() -> None:
-    for cache in list(_LIVE):
-        try:
-            cache.flush()
-        except Exception:  # noqa: BLE001 - at exit, one cache's failure must not stop the others
-            logger.exception("disk cache: flush at exit failed")
-
-
-def _before_fork() -> None:
-    for cache in list(_LIVE):
-        cache._before_fork()
-
-
-def _after_fork_in_parent() -> None:
-    for cache in list(_LIVE):
-        cache._after_fork_in_parent()
-
-
-def _after_fork_in_child() -> None:
-    for cache in list(_LIVE):
-        cache._reset_after_fork()
-
-
-atexit.register(_flush_all)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child
-    )

@@ -1,0 +1,99 @@
+"""Exit and fork hooks for caches that write in the background: one registry, run in pipeline order.
+
+A cache with a background writer (the disk tier's write-behind queue, a tiered cache's queue to its slower
+tiers) must not lose what it queued: at interpreter exit it is flushed, and around ``fork`` it drains its
+queue and holds its locks in the parent, then the child starts with no queue and no writer (those threads
+belong to the parent). Caches register with a *stage*, their place in the write pipeline: a tiered cache
+(stage :data:`FRONT`) writes into disk tiers (stage :data:`BACK`), so at exit and before a fork the front
+drains first into the back, which then drains itself; after a fork, the back is released first and the
+front last (locks are released in the reverse order of their taking).
+
+A registered cache implements ``flush()``, ``_before_fork()``, ``_after_fork_in_parent()`` and
+``_reset_after_fork()``; the registry holds it weakly, so registering keeps nothing alive.
+
+Thread-safety: :func:`register` may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import weakref
+from typing import Protocol
+
+__all__ = ["BACK", "FRONT", "ProcessBound", "register"]
+
+logger = logging.getLogger(__name__)
+
+FRONT = 0
+"""Caches that write into other caches (``TieredCache``)."""
+BACK = 1
+"""Caches that write to storage of their own (``LlamaDiskCache``)."""
+
+
+class ProcessBound(Protocol):
+    """What the hooks call on a registered cache."""
+
+    def flush(self) -> None: ...
+
+    def _before_fork(self) -> None: ...
+
+    def _after_fork_in_parent(self) -> None: ...
+
+    def _reset_after_fork(self) -> None: ...
+
+
+_STAGES: tuple[weakref.WeakSet[ProcessBound], ...] = (weakref.WeakSet(), weakref.WeakSet())
+_LOCK = threading.Lock()
+
+
+def register(cache: ProcessBound, *, stage: int) -> None:
+    """Flush ``cache`` at exit and take it through forks, after the caches of earlier stages.
+
+    Raises:
+        ValueError: ``stage`` is neither :data:`FRONT` nor :data:`BACK`.
+    """
+    if stage not in (FRONT, BACK):
+        raise ValueError(f"stage must be FRONT or BACK, got {stage!r}")
+    with _LOCK:
+        _STAGES[stage].add(cache)
+
+
+def _in_order(reverse: bool = False) -> list[ProcessBound]:
+    with _LOCK:
+        stages = [list(stage) for stage in _STAGES]
+    if reverse:
+        stages.reverse()
+    return [cache for stage in stages for cache in stage]
+
+
+def _flush_all() -> None:
+    for cache in _in_order():
+        try:
+            cache.flush()
+        except Exception:  # noqa: BLE001 - at exit, one cache's failure must not stop the others
+            logger.exception("flushing %r at exit failed", cache)
+
+
+def _before_fork() -> None:
+    for cache in _in_order():
+        cache._before_fork()
+
+
+def _after_fork_in_parent() -> None:
+    for cache in _in_order(reverse=True):
+        cache._after_fork_in_parent()
+
+
+def _after_fork_in_child() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()  # another thread may have held it when the process forked
+    for cache in _in_order(reverse=True):
+        cache._reset_after_fork()
+
+
+atexit.register(_flush_all)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
