@@ -617,3 +617,27 @@ def test_a_prompt_diverging_mid_chunk_restores_exactly_the_shared_prefix(
     finally:
         llm.set_cache(None)
         cache.close()
+
+
+def test_a_chunk_across_two_segments_encodes_as_from_one_segment() -> None:
+    """Chunks inside one segment take a fast path; across segments they are concatenated: same bytes."""
+    from llama_cache.state.kv_layout import serialize_segments
+    from llama_cache.state.llama_state import LlamaState
+    from llama_cache.testing.states import synthetic_state
+
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 1000, 90).astype(np.int32)
+    base = synthetic_state(tokens[:50], 6, rng)
+    whole = synthetic_state(tokens, 6, rng)
+    extended = base.extended(50, tokens, None, 0, whole.seq_bytes())
+    assert len(extended.segments) >= 2  # the base's 50 positions, then the new ones
+    flat = LlamaState.from_seq_bytes(tokens, None, 0, "test",
+                                     np.frombuffer(bytes(serialize_segments(extended.layout, list(extended.segments))),
+                                                   dtype=np.uint8))
+    assert len(flat.segments) == 1
+    chain = pieces("test", tokens, 16)
+    assert any(piece.start < 50 < piece.start + piece.n_tokens for piece in chain)
+    for piece in chain:
+        ours = encode_chunk("test", piece, extended.layout, extended.segments)[0]
+        reference = encode_chunk("test", piece, flat.layout, flat.segments)[0]
+        assert bytes(ours) == bytes(reference)
