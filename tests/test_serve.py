@@ -363,6 +363,48 @@ def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_co
     assert after.get(status % 499, 0) == before.get(status % 499, 0)
 
 
+def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_it(
+    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llama_cache.server.slots import MIN_SHARED_TOKENS
+
+    saving, release = threading.Event(), threading.Event()
+    for slot in server.engine.pool.slots:
+        save_state = slot.llama.save_state
+
+        def held_save(save_state: Any = save_state) -> Any:
+            saving.set()
+            release.wait(timeout=60)
+            return save_state()
+
+        monkeypatch.setattr(slot.llama, "save_state", held_save)
+    tokenizer = server.engine.pool.slots[0].llama
+    # A system prompt no other test sends, so the cache holds none of it: only the saving context does.
+    head = tokenizer.tokenize(f"Rules {time.monotonic_ns()}: ".encode() + b"answer briefly and politely. " * 8)
+    assert len(head) > MIN_SHARED_TOKENS
+    first = head + tokenizer.tokenize(b" Question one: what is a river?", add_bos=False)
+    second = head + tokenizer.tokenize(b" Question two: what is a lake?", add_bos=False)
+    before = server.metrics()
+    try:
+        body = {"prompt": first, "max_tokens": 2, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+            assert [line for line in response.iter_lines() if line.startswith("data:")][-1] == "data: [DONE]"
+        assert saving.is_set()
+        answers: list[Any] = []
+        waiting = threading.Thread(target=lambda: answers.append(server.client(max_retries=0).completions.create(
+            model="m", prompt=second, max_tokens=2, temperature=0)))
+        waiting.start()
+        # Another context is free, but it holds none of the head: the request waits for the saving one.
+        _wait_for(lambda: server.metrics()["llama_cache_queue_depth"] == 1)
+    finally:
+        release.set()
+    waiting.join(timeout=60)
+    assert answers and answers[0].choices
+    after = server.metrics()
+    cached = after["llama_cache_prompt_tokens_cached_total"] - before["llama_cache_prompt_tokens_cached_total"]
+    assert cached >= len(head)  # the second conversation evaluated only its own question
+
+
 # ------------------------------------------------------------------------------------ cancellation
 
 def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: _LiveServer) -> None:
