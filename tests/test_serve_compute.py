@@ -195,3 +195,100 @@ def test_calls_run_on_the_compute_thread_in_turn_with_short_evaluations() -> Non
     assert [(name, n) for name, n, _ in recorder.calls] == [("prompt", 512), ("step", 1), ("copy", 0), ("prompt", 88)]
     assert {ident for _, _, ident in recorder.calls} == {compute._thread.ident}  # noqa: SLF001
     assert compute.evaluations == 3 and compute.tokens == 601  # calls are not evaluations
+
+
+# ------------------------------------------------------------------ contexts lending heads to each other
+
+@pytest.fixture(scope="module")
+def contexts():  # type: ignore[no-untyped-def]
+    """Two server contexts on one compute thread, siblings of each other, as ``load_engine`` makes them."""
+    from llama_cache import default_model_path
+    from llama_cache.server.config import ServerConfig
+    from llama_cache.server.slots import SlotLlama
+
+    options = ServerConfig(n_ctx=1024).context_options()
+    compute = ComputeThread()
+    pair = [SlotLlama(model_path=str(default_model_path()), verbose=False, **options) for _ in range(2)]
+    for llama in pair:
+        llama.compute = compute
+        llama.siblings = pair
+    yield pair
+    compute.close()
+    for llama in pair:
+        llama.close()
+
+
+@pytest.fixture(scope="module")
+def alone():  # type: ignore[no-untyped-def]
+    from llama_cache import Llama, default_model_path
+    from llama_cache.server.config import ServerConfig
+
+    llama = Llama(model_path=str(default_model_path()), verbose=False, **ServerConfig(n_ctx=1024).context_options())
+    yield llama
+    llama.close()
+
+
+def _head(llama, words: int) -> list[int]:  # type: ignore[no-untyped-def]
+    text = f"Rules {time.monotonic_ns()}: " + "answer briefly, politely and in plain words. " * words
+    return llama.tokenize(text.encode())
+
+
+@pytest.mark.model
+def test_a_context_reads_a_head_another_context_holds_instead_of_evaluating_it(contexts, alone) -> None:  # type: ignore[no-untyped-def]
+    """A borrowed head is the lender's KV: the answer is the one a context that had evaluated it gives.
+
+    (llama.cpp's numbers depend on how tokens were split into batches, so the reference replays the
+    lender's batches on one context instead of reading the prompt in one go.)
+    """
+    from llama_cache.server.slots import MIN_SHARED_TOKENS
+
+    first, second = contexts
+    head = _head(first, 12)
+    assert len(head) > MIN_SHARED_TOKENS
+    river = first.tokenize(b" Name a river.", add_bos=False)
+    question = second.tokenize(b" Which colour is the sky on a clear day?", add_bos=False)
+    first.reset()
+    second.reset()
+    first.create_completion(head + river, max_tokens=2, temperature=0)
+    reply = second.create_completion(head + question, max_tokens=12, temperature=0)
+    assert second.last_prompt_tokens_evaluated == len(question)  # the head came from the first context
+    alone.reset()
+    alone.eval(head + river)  # as the first context did
+    alone.n_tokens = len(head)  # cut back to the head: the completion evaluates the question only
+    expected = alone.create_completion(head + question, max_tokens=12, temperature=0)
+    assert alone.last_prompt_tokens_evaluated == len(question)
+    assert reply["choices"][0]["text"] == expected["choices"][0]["text"]
+    # The same prompt on the first context, emptied: all but its last token are lent (it needs logits).
+    first.reset()
+    again = first.create_completion(head + question, max_tokens=12, temperature=0)
+    assert first.last_prompt_tokens_evaluated == 1
+    alone.reset()
+    alone.eval(head + river)
+    alone.n_tokens = len(head)
+    alone.eval(question)  # as the second context did
+    alone.n_tokens = len(head) + len(question) - 1
+    expected = alone.create_completion(head + question, max_tokens=12, temperature=0)
+    assert again["choices"][0]["text"] == expected["choices"][0]["text"]
+
+
+@pytest.mark.model
+def test_short_heads_and_foreign_contexts_are_not_borrowed(contexts) -> None:  # type: ignore[no-untyped-def]
+    from llama_cache.server.slots import MIN_SHARED_TOKENS
+
+    first, second = contexts
+    head = _head(first, 12)
+    first.reset()
+    second.reset()
+    first.create_completion(head, max_tokens=1, temperature=0)
+    short = head[: MIN_SHARED_TOKENS - 1] + second.tokenize(b" Unrelated words follow here.", add_bos=False)
+    second.create_completion(short, max_tokens=1, temperature=0)
+    assert second.last_prompt_tokens_evaluated == len(short)  # too short a head to be worth it
+    fingerprint = first.fingerprint
+    try:
+        first.fingerprint = "another model"  # a context of another model or configuration lends nothing
+        second.reset()
+        prompt = head + second.tokenize(b" And now a question.", add_bos=False)
+        second.create_completion(prompt, max_tokens=1, temperature=0)
+        assert second.last_prompt_tokens_evaluated == len(prompt)
+    finally:
+        first.fingerprint = fingerprint

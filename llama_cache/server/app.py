@@ -143,6 +143,8 @@ def load_engine(config: ServerConfig) -> Engine:
         for slot in slots:
             slot.llama.close()
         raise
+    for slot in slots:
+        slot.llama.siblings = [other.llama for other in slots]
     first = slots[0].llama
     return Engine(
         pool=SlotPool(slots, config.max_queue, cached=tiers[0][1].match_length),

@@ -125,7 +125,7 @@ class ComputeThread:
 
     def _submit(self, job: _Evaluation) -> None:
         if threading.current_thread() is self._thread:
-            raise RuntimeError("evaluate called from the compute thread itself")
+            raise RuntimeError("called from the compute thread itself, which would wait for itself")
         with self._condition:
             if self._closed:
                 raise RuntimeError("the compute thread is closed")

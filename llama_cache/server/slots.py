@@ -41,12 +41,20 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.llama import Llama
+from llama_cache.state.kv_layout import parse_seq_state
+from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 from llama_cache.server.compute import ComputeThread, EvaluationCancelled
 
 __all__ = ["MIN_SHARED_TOKENS", "Job", "QueueFull", "Slot", "SlotLlama", "SlotPool", "TokenizationMemo",
            "prompt_tokens_for_chat", "run_job"]
 
 logger = logging.getLogger(__name__)
+
+
+MIN_SHARED_TOKENS = 32
+"""The shortest head worth taking from a context that holds another conversation, by routing a prompt
+there or by copying the head from it (chat prompts all share their template's first few tokens, which
+are not worth another conversation's live tokens)."""
 
 
 class QueueFull(Exception):
@@ -71,6 +79,7 @@ class SlotLlama(Llama):
     """
 
     compute: ComputeThread | None = None
+    siblings: Sequence[SlotLlama] = ()
     tokenized: TokenizationMemo | None = None
     request_cancelled: Callable[[], bool] | None = None
     request_stop: Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool] | None = None
@@ -86,8 +95,62 @@ class SlotLlama(Llama):
         if compute is None:
             return super().eval(tokens)
         checked = self._checked_tokens(tokens)  # all of them, before any chunk is evaluated
+        if len(checked) > MIN_SHARED_TOKENS and self.siblings:
+            evaluated = self.n_tokens
+            sequence = [*self.input_ids[:evaluated].tolist(), *checked]
+            reached = compute.call(lambda: self._take_head_from_a_sibling(sequence))
+            checked = sequence[reached:]
         compute.evaluate(super().eval, checked, self.n_batch, cancelled=self.request_cancelled)
         return None
+
+    def _take_head_from_a_sibling(self, sequence: list[int]) -> int:
+        """Copy into this context the longest head of ``sequence`` another context holds; on the compute thread.
+
+        Prompts sent together often share a head (a system prompt) that the prompt cache does not hold
+        yet: the first context to read it lends it to the others, which then read only their own tokens
+        (as a restore from the cache would: llama.cpp's bytes for those positions, cut at the shared
+        head). Worth it from :data:`MIN_SHARED_TOKENS` tokens beyond what this context holds; at least
+        one token of ``sequence`` is left to evaluate, for its logits. The sibling is only read: its KV
+        changes on the compute thread alone, where this runs, and its tokens below its ``n_tokens`` are
+        written there alone too.
+
+        Returns:
+            How many leading tokens of ``sequence`` this context now holds (its ``n_tokens``): the
+            evaluation goes on from there. Whatever fails leaves a consistent context.
+        """
+        held = self.n_tokens
+        limit = len(sequence) - 1
+        wanted = np.asarray(sequence[:limit], dtype=np.intc)
+        best: SlotLlama | None = None
+        best_common = held + MIN_SHARED_TOKENS - 1
+        for sibling in self.siblings:
+            if sibling is self or sibling.fingerprint != self.fingerprint or sibling._state_is_opaque:
+                continue
+            theirs = np.asarray(sibling.input_ids[: min(sibling.n_tokens, limit)], dtype=np.intc)
+            common = common_prefix(theirs, wanted)
+            if common > best_common:
+                best, best_common = sibling, common
+        if best is None or self._state_is_opaque:
+            return held
+        try:
+            raw = best._read_seq_bytes()  # noqa: SLF001 - another context of this server, read on the compute thread
+        except RuntimeError:
+            return held
+        parsed = parse_seq_state(raw)
+        if parsed is None or parsed[1].n_tokens < best_common:
+            return held
+        tokens = np.array(best.input_ids[: parsed[1].n_tokens], dtype=np.int32)
+        head = LlamaState.from_seq_bytes(tokens, None, best._seed, best.fingerprint, raw).prefix(best_common, None)
+        seed = self._seed
+        try:
+            Llama.load_state(self, head)  # here, not through the compute thread: this is it
+        except IncompatibleStateError:
+            # The context is empty now: what it held is evaluated again with the rest.
+            return self.n_tokens
+        finally:
+            self._seed = seed  # the completion's seed, not the sibling's
+        self._forget_base()  # later saves copy this context's own KV, not a view of the sibling's bytes
+        return self.n_tokens
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
         """As ``llama_cpp.Llama.tokenize``; a text tokenized lately by any context is looked up in ``tokenized``."""
@@ -370,11 +433,6 @@ class SlotPool:
         self._free.remove(best)
         best.last_used = next(self._clock)
         return best
-
-
-MIN_SHARED_TOKENS = 32
-"""The shortest shared head worth routing a prompt to a slot holding another conversation (chat prompts
-all share their template's first few tokens, which are not worth the other conversation's live tokens)."""
 
 
 def _most_reused(slots: list[Slot], tokens: npt.NDArray[np.intc], cached: int) -> tuple[Slot | None, int]:
