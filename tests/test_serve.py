@@ -321,9 +321,8 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
     assert answers == [200, 200]
 
 
-def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_context(
-    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _hold_saves(server: _LiveServer, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make every context's state save wait for ``release``; ``saving`` is set when one starts."""
     saving, release = threading.Event(), threading.Event()
     for slot in server.engine.pool.slots:
         save_state = slot.llama.save_state
@@ -334,6 +333,27 @@ def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_co
             return save_state()
 
         monkeypatch.setattr(slot.llama, "save_state", held_save)
+    return saving, release
+
+
+def _answered_after_waiting_for_the_save(server: _LiveServer, release: threading.Event, prompt: list[int]) -> None:
+    """Send a completion of ``prompt``; check it queues (for the context whose save is held), then release."""
+    answers: list[Any] = []
+    waiting = threading.Thread(target=lambda: answers.append(server.client(max_retries=0).completions.create(
+        model="m", prompt=prompt, max_tokens=2, temperature=0)))
+    waiting.start()
+    try:
+        _wait_for(lambda: server.metrics()["llama_cache_queue_depth"] == 1)
+    finally:
+        release.set()
+        waiting.join(timeout=60)
+    assert answers and answers[0].choices
+
+
+def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_context(
+    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saving, release = _hold_saves(server, monkeypatch)
     tokenizer = server.engine.pool.slots[0].llama
     # One token asked for: it is never evaluated, so the context then holds exactly the prompt.
     prompt = tokenizer.tokenize(b"A stream that ends before its state is saved, about rivers:")
@@ -344,17 +364,11 @@ def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_co
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
             events = [line for line in response.iter_lines() if line.startswith("data:")]
         assert events[-1] == "data: [DONE]" and saving.is_set() and not release.is_set()
-        follow_up: list[Any] = []
-        more = prompt + tokenizer.tokenize(b" The longest river is", add_bos=False)
-        waiting = threading.Thread(target=lambda: follow_up.append(server.client(max_retries=0).completions.create(
-            model="m", prompt=more, max_tokens=2, temperature=0)))
-        waiting.start()
         # The context holding the prompt is still saving: the next turn waits for it, not for another.
-        _wait_for(lambda: server.metrics()["llama_cache_queue_depth"] == 1)
+        more = prompt + tokenizer.tokenize(b" The longest river is", add_bos=False)
+        _answered_after_waiting_for_the_save(server, release, more)
     finally:
         release.set()
-    waiting.join(timeout=60)
-    assert follow_up and follow_up[0].choices
     after = server.metrics()
     cached = after["llama_cache_prompt_tokens_cached_total"] - before["llama_cache_prompt_tokens_cached_total"]
     assert cached >= len(prompt)  # the next turn evaluated only its own tokens
@@ -368,16 +382,7 @@ def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_
 ) -> None:
     from llama_cache.server.slots import MIN_SHARED_TOKENS
 
-    saving, release = threading.Event(), threading.Event()
-    for slot in server.engine.pool.slots:
-        save_state = slot.llama.save_state
-
-        def held_save(save_state: Any = save_state) -> Any:
-            saving.set()
-            release.wait(timeout=60)
-            return save_state()
-
-        monkeypatch.setattr(slot.llama, "save_state", held_save)
+    saving, release = _hold_saves(server, monkeypatch)
     tokenizer = server.engine.pool.slots[0].llama
     # A system prompt no other test sends, so the cache holds none of it: only the saving context does.
     head = tokenizer.tokenize(f"Rules {time.monotonic_ns()}: ".encode() + b"answer briefly and politely. " * 8)
@@ -390,16 +395,10 @@ def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
             assert [line for line in response.iter_lines() if line.startswith("data:")][-1] == "data: [DONE]"
         assert saving.is_set()
-        answers: list[Any] = []
-        waiting = threading.Thread(target=lambda: answers.append(server.client(max_retries=0).completions.create(
-            model="m", prompt=second, max_tokens=2, temperature=0)))
-        waiting.start()
         # Another context is free, but it holds none of the head: the request waits for the saving one.
-        _wait_for(lambda: server.metrics()["llama_cache_queue_depth"] == 1)
+        _answered_after_waiting_for_the_save(server, release, second)
     finally:
         release.set()
-    waiting.join(timeout=60)
-    assert answers and answers[0].choices
     after = server.metrics()
     cached = after["llama_cache_prompt_tokens_cached_total"] - before["llama_cache_prompt_tokens_cached_total"]
     assert cached >= len(head)  # the second conversation evaluated only its own question
