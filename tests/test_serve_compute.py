@@ -210,7 +210,7 @@ def contexts():  # type: ignore[no-untyped-def]
     compute = ComputeThread()
     pair = [SlotLlama(model_path=str(default_model_path()), verbose=False, **options) for _ in range(2)]
     for llama in pair:
-        llama.compute = compute
+        llama.use_compute(compute)
         llama.siblings = pair
     yield pair
     compute.close()
@@ -292,3 +292,25 @@ def test_short_heads_and_foreign_contexts_are_not_borrowed(contexts) -> None:  #
         assert second.last_prompt_tokens_evaluated == len(prompt)
     finally:
         first.fingerprint = fingerprint
+
+
+@pytest.mark.model
+def test_every_change_to_a_contexts_kv_happens_on_the_compute_thread(contexts, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import llama_cpp
+
+    first, _ = contexts
+    threads: list[threading.Thread] = []
+    cut = llama_cpp.llama_memory_seq_rm
+
+    def recorded(*args):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread())
+        return cut(*args)
+
+    monkeypatch.setattr(llama_cpp, "llama_memory_seq_rm", recorded)  # as llama_cache.Llama calls it
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_memory_seq_rm", recorded)  # as llama-cpp-python does
+    head = _head(first, 4)
+    first.reset()
+    first.create_completion(head + first.tokenize(b" One.", add_bos=False), max_tokens=2, temperature=0)
+    # A prompt sharing the head: llama-cpp-python's generate cuts the KV back to it before evaluating.
+    first.create_completion(head + first.tokenize(b" Two, three.", add_bos=False), max_tokens=2, temperature=0)
+    assert threads and all(thread is first.compute._thread for thread in threads)  # noqa: SLF001

@@ -135,7 +135,7 @@ def load_engine(config: ServerConfig) -> Engine:
         for index in range(config.parallel):
             llama = SlotLlama(model_path=str(path), verbose=False, **options)
             llama.set_cache(cache)  # binds unbound disk and Redis tiers to this model
-            llama.compute = compute
+            llama.use_compute(compute)
             llama.tokenized = tokenized
             slots.append(Slot(index=index, llama=llama))
     except BaseException:

@@ -83,6 +83,10 @@ class ComputeThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def on_thread(self) -> bool:
+        """Whether the caller is the compute thread itself."""
+        return threading.current_thread() is self._thread
+
     @property
     def waiting(self) -> int:
         """Evaluations waiting for the thread (not counting the one it runs)."""
@@ -124,7 +128,7 @@ class ComputeThread:
         return box[0]
 
     def _submit(self, job: _Evaluation) -> None:
-        if threading.current_thread() is self._thread:
+        if self.on_thread():
             raise RuntimeError("called from the compute thread itself, which would wait for itself")
         with self._condition:
             if self._closed:

@@ -68,10 +68,13 @@ class Cancelled(Exception):
 class SlotLlama(Llama):
     """A :class:`llama_cache.Llama` that evaluates on the server's compute thread and obeys its request.
 
-    ``compute``, when set, runs every evaluation and every copy of the context's state out or in (see
-    :mod:`.compute`): the tokens are checked here, then evaluated there in chunks, and
-    ``request_cancelled`` (when set) is asked between chunks, so a cancelled request stops reading a
-    long prompt at the next chunk (:class:`EvaluationCancelled`).
+    ``compute``, set by :meth:`use_compute`, runs every evaluation, every copy of the context's state
+    out or in and every cut of its KV (see :mod:`.compute`): the tokens are checked here, then evaluated
+    there in chunks, and ``request_cancelled`` (when set) is asked between chunks, so a cancelled
+    request stops reading a long prompt at the next chunk (:class:`EvaluationCancelled`).
+
+    ``siblings`` are the server's contexts (this one among them): one may lend another a head of
+    tokens both need (:meth:`_take_head_from_a_sibling`).
 
     ``request_stop``, when set, is added to every completion's stopping criteria (chat handlers replace
     the caller's criteria with their own, so it cannot be passed as an argument): llama-cpp-python calls
@@ -83,6 +86,25 @@ class SlotLlama(Llama):
     tokenized: TokenizationMemo | None = None
     request_cancelled: Callable[[], bool] | None = None
     request_stop: Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool] | None = None
+
+    def use_compute(self, compute: ComputeThread) -> None:
+        """Evaluate, copy the state and change the KV of this context on ``compute`` from now on.
+
+        llama-cpp-python's ``generate`` also cuts the KV back itself (``kv_cache_seq_rm``, to the prefix a
+        new prompt shares) in the calling thread; that call is sent to the compute thread too, so that
+        everything changing this context's KV happens there, where other contexts read it (see
+        :meth:`_take_head_from_a_sibling`).
+        """
+        self.compute = compute
+        context = self._ctx
+        cut = context.kv_cache_seq_rm
+
+        def kv_cache_seq_rm(seq_id: int, p0: int, p1: int) -> bool:
+            if compute.on_thread():
+                return cut(seq_id, p0, p1)
+            return compute.call(lambda: cut(seq_id, p0, p1))
+
+        context.kv_cache_seq_rm = kv_cache_seq_rm  # type: ignore[method-assign]
 
     def eval(self, tokens: Sequence[int]) -> None:
         """Evaluate ``tokens`` on the compute thread (as :meth:`llama_cache.Llama.eval` without one).
@@ -111,8 +133,8 @@ class SlotLlama(Llama):
         (as a restore from the cache would: llama.cpp's bytes for those positions, cut at the shared
         head). Worth it from :data:`MIN_SHARED_TOKENS` tokens beyond what this context holds; at least
         one token of ``sequence`` is left to evaluate, for its logits. The sibling is only read: its KV
-        changes on the compute thread alone, where this runs, and its tokens below its ``n_tokens`` are
-        written there alone too.
+        changes on the compute thread alone (:meth:`use_compute`), where this runs, and its tokens below
+        its ``n_tokens`` are written there alone too.
 
         Returns:
             How many leading tokens of ``sequence`` this context now holds (its ``n_tokens``): the
