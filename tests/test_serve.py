@@ -380,7 +380,7 @@ def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_co
 def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_it(
     server: _LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llama_cache.server.slots import MIN_SHARED_TOKENS
+    from llama_cache.server.contexts import MIN_SHARED_TOKENS
 
     saving, release = _hold_saves(server, monkeypatch)
     tokenizer = server.engine.pool.slots[0].llama
@@ -677,7 +677,8 @@ def test_a_prompt_extending_an_answered_request_waits_for_its_slot() -> None:
 def test_a_prompt_goes_to_the_slot_sharing_its_head_when_the_cache_holds_less() -> None:
     import asyncio
 
-    from llama_cache.server.slots import MIN_SHARED_TOKENS, Slot, SlotPool
+    from llama_cache.server.contexts import MIN_SHARED_TOKENS
+    from llama_cache.server.slots import Slot, SlotPool
 
     head = list(range(1, MIN_SHARED_TOKENS + 9))  # a system prompt, longer than the minimum
     cached_length = {"n": 0}
@@ -725,7 +726,8 @@ def test_a_prompt_sharing_the_head_of_an_answered_request_waits_for_its_slot() -
 
     import numpy as np
 
-    from llama_cache.server.slots import MIN_SHARED_TOKENS, Slot, SlotPool
+    from llama_cache.server.contexts import MIN_SHARED_TOKENS
+    from llama_cache.server.slots import Slot, SlotPool
 
     head = list(range(1, MIN_SHARED_TOKENS + 9))
     cached_length = {"n": 0}
@@ -757,7 +759,7 @@ def test_a_prompt_sharing_the_head_of_an_answered_request_waits_for_its_slot() -
 
 
 def test_the_tokenization_memo_keeps_the_latest_texts_and_their_exact_tokens() -> None:
-    from llama_cache.server.slots import TokenizationMemo
+    from llama_cache.server.contexts import TokenizationMemo
 
     memo = TokenizationMemo(capacity=2)
     memo.put((b"a", True, False), [1, 2])

@@ -204,7 +204,7 @@ def contexts():  # type: ignore[no-untyped-def]
     """Two server contexts on one compute thread, siblings of each other, as ``load_engine`` makes them."""
     from llama_cache import default_model_path
     from llama_cache.server.config import ServerConfig
-    from llama_cache.server.slots import SlotLlama
+    from llama_cache.server.contexts import SlotLlama
 
     options = ServerConfig(n_ctx=1024).context_options()
     compute = ComputeThread()
@@ -240,7 +240,7 @@ def test_a_context_reads_a_head_another_context_holds_instead_of_evaluating_it(c
     (llama.cpp's numbers depend on how tokens were split into batches, so the reference replays the
     lender's batches on one context instead of reading the prompt in one go.)
     """
-    from llama_cache.server.slots import MIN_SHARED_TOKENS
+    from llama_cache.server.contexts import MIN_SHARED_TOKENS
 
     first, second = contexts
     head = _head(first, 12)
@@ -273,7 +273,7 @@ def test_a_context_reads_a_head_another_context_holds_instead_of_evaluating_it(c
 
 @pytest.mark.model
 def test_short_heads_and_foreign_contexts_are_not_borrowed(contexts) -> None:  # type: ignore[no-untyped-def]
-    from llama_cache.server.slots import MIN_SHARED_TOKENS
+    from llama_cache.server.contexts import MIN_SHARED_TOKENS
 
     first, second = contexts
     head = _head(first, 12)

@@ -2,7 +2,8 @@
 
 - :mod:`.config`: settings from options and environment variables.
 - :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
-- :mod:`.slots`: the contexts, the fair queue and the routing of a request to a context.
+- :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
+- :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
 - :mod:`.compute`: the one thread on which every context evaluates, in rounds.
 - :mod:`.metrics`: the Prometheus metrics, in a registry per app.
 - :mod:`.app`: the routes (Starlette), the worker threads, shutdown.

@@ -58,17 +58,8 @@ from llama_cache.server.protocol import (
     parse_completion_request,
     parse_json_body,
 )
-from llama_cache.server.slots import (
-    Cancelled,
-    Job,
-    QueueFull,
-    Slot,
-    SlotLlama,
-    SlotPool,
-    TokenizationMemo,
-    prompt_tokens_for_chat,
-    run_job,
-)
+from llama_cache.server.contexts import SlotLlama, TokenizationMemo, prompt_tokens_for_chat
+from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, SlotPool, run_job
 
 __all__ = ["Engine", "create_app", "load_engine"]
 

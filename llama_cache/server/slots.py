@@ -1,6 +1,6 @@
-"""Contexts ("slots"), the fair queue in front of them, and the routing of a request to one.
+"""Slots (the contexts a request can hold), the fair queue in front of them, and the routing to one.
 
-Each slot is one :class:`llama_cache.Llama` (its own llama.cpp context); every slot shares one prompt
+Each slot is one :class:`~.contexts.SlotLlama` (its own llama.cpp context); every slot shares one prompt
 cache. A request holds its slot from the first prompt token to the last generated one, so a context is
 never used by two requests at once, and requests never cancel one another.
 
@@ -30,31 +30,20 @@ import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import jinja2
-import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.llama import Llama
-from llama_cache.state.kv_layout import parse_seq_state
-from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
-from llama_cache.server.compute import ComputeThread, EvaluationCancelled
+from llama_cache.server.compute import EvaluationCancelled
+from llama_cache.server.contexts import MIN_SHARED_TOKENS, SlotLlama, common_prefix, live_tokens
 
-__all__ = ["MIN_SHARED_TOKENS", "Job", "QueueFull", "Slot", "SlotLlama", "SlotPool", "TokenizationMemo",
-           "prompt_tokens_for_chat", "run_job"]
+__all__ = ["Job", "QueueFull", "Slot", "SlotPool", "run_job"]
 
 logger = logging.getLogger(__name__)
-
-
-MIN_SHARED_TOKENS = 32
-"""The shortest head worth taking from a context that holds another conversation, by routing a prompt
-there or by copying the head from it (chat prompts all share their template's first few tokens, which
-are not worth another conversation's live tokens)."""
 
 
 class QueueFull(Exception):
@@ -65,184 +54,6 @@ class Cancelled(Exception):
     """A job's client went away or the server is stopping (its generation was stopped)."""
 
 
-class SlotLlama(Llama):
-    """A :class:`llama_cache.Llama` that evaluates on the server's compute thread and obeys its request.
-
-    ``compute``, set by :meth:`use_compute`, runs every evaluation, every copy of the context's state
-    out or in and every cut of its KV (see :mod:`.compute`): the tokens are checked here, then evaluated
-    there in chunks, and ``request_cancelled`` (when set) is asked between chunks, so a cancelled
-    request stops reading a long prompt at the next chunk (:class:`EvaluationCancelled`).
-
-    ``siblings`` are the server's contexts (this one among them): one may lend another a head of
-    tokens both need (:meth:`_take_head_from_a_sibling`).
-
-    ``request_stop``, when set, is added to every completion's stopping criteria (chat handlers replace
-    the caller's criteria with their own, so it cannot be passed as an argument): llama-cpp-python calls
-    it after each sampled token, which is how a request is timed and how a cancelled one stops.
-    """
-
-    compute: ComputeThread | None = None
-    siblings: Sequence[SlotLlama] = ()
-    tokenized: TokenizationMemo | None = None
-    request_cancelled: Callable[[], bool] | None = None
-    request_stop: Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool] | None = None
-
-    def use_compute(self, compute: ComputeThread) -> None:
-        """Evaluate, copy the state and change the KV of this context on ``compute`` from now on.
-
-        llama-cpp-python's ``generate`` also cuts the KV back itself (``kv_cache_seq_rm``, to the prefix a
-        new prompt shares) in the calling thread; that call is sent to the compute thread too, so that
-        everything changing this context's KV happens there, where other contexts read it (see
-        :meth:`_take_head_from_a_sibling`).
-        """
-        self.compute = compute
-        context = self._ctx
-        cut = context.kv_cache_seq_rm
-
-        def kv_cache_seq_rm(seq_id: int, p0: int, p1: int) -> bool:
-            if compute.on_thread():
-                return cut(seq_id, p0, p1)
-            return compute.call(lambda: cut(seq_id, p0, p1))
-
-        context.kv_cache_seq_rm = kv_cache_seq_rm  # type: ignore[method-assign]
-
-    def eval(self, tokens: Sequence[int]) -> None:
-        """Evaluate ``tokens`` on the compute thread (as :meth:`llama_cache.Llama.eval` without one).
-
-        Raises:
-            ValueError, TypeError: a token is not a vocabulary id (nothing was evaluated).
-            EvaluationCancelled: the request was cancelled after the first chunk.
-        """
-        compute = self.compute
-        if compute is None:
-            return super().eval(tokens)
-        checked = self._checked_tokens(tokens)  # all of them, before any chunk is evaluated
-        if len(checked) > MIN_SHARED_TOKENS and self.siblings:
-            evaluated = self.n_tokens
-            sequence = [*self.input_ids[:evaluated].tolist(), *checked]
-            reached = compute.call(lambda: self._take_head_from_a_sibling(sequence))
-            checked = sequence[reached:]
-        compute.evaluate(super().eval, checked, self.n_batch, cancelled=self.request_cancelled)
-        return None
-
-    def _take_head_from_a_sibling(self, sequence: list[int]) -> int:
-        """Copy into this context the longest head of ``sequence`` another context holds; on the compute thread.
-
-        Prompts sent together often share a head (a system prompt) that the prompt cache does not hold
-        yet: the first context to read it lends it to the others, which then read only their own tokens
-        (as a restore from the cache would: llama.cpp's bytes for those positions, cut at the shared
-        head). Worth it from :data:`MIN_SHARED_TOKENS` tokens beyond what this context holds; at least
-        one token of ``sequence`` is left to evaluate, for its logits. The sibling is only read: its KV
-        changes on the compute thread alone (:meth:`use_compute`), where this runs, and its tokens below
-        its ``n_tokens`` are written there alone too.
-
-        Returns:
-            How many leading tokens of ``sequence`` this context now holds (its ``n_tokens``): the
-            evaluation goes on from there. Whatever fails leaves a consistent context.
-        """
-        held = self.n_tokens
-        limit = len(sequence) - 1
-        wanted = np.asarray(sequence[:limit], dtype=np.intc)
-        best: SlotLlama | None = None
-        best_common = held + MIN_SHARED_TOKENS - 1
-        for sibling in self.siblings:
-            if sibling is self or sibling.fingerprint != self.fingerprint or sibling._state_is_opaque:
-                continue
-            theirs = np.asarray(sibling.input_ids[: min(sibling.n_tokens, limit)], dtype=np.intc)
-            common = common_prefix(theirs, wanted)
-            if common > best_common:
-                best, best_common = sibling, common
-        if best is None or self._state_is_opaque:
-            return held
-        try:
-            raw = best._read_seq_bytes()  # noqa: SLF001 - another context of this server, read on the compute thread
-        except RuntimeError:
-            return held
-        parsed = parse_seq_state(raw)
-        if parsed is None or parsed[1].n_tokens < best_common:
-            return held
-        tokens = np.array(best.input_ids[: parsed[1].n_tokens], dtype=np.int32)
-        head = LlamaState.from_seq_bytes(tokens, None, best._seed, best.fingerprint, raw).prefix(best_common, None)
-        seed = self._seed
-        try:
-            Llama.load_state(self, head)  # here, not through the compute thread: this is it
-        except IncompatibleStateError:
-            # The context is empty now: what it held is evaluated again with the rest.
-            return self.n_tokens
-        finally:
-            self._seed = seed  # the completion's seed, not the sibling's
-        self._forget_base()  # later saves copy this context's own KV, not a view of the sibling's bytes
-        return self.n_tokens
-
-    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
-        """As ``llama_cpp.Llama.tokenize``; a text tokenized lately by any context is looked up in ``tokenized``."""
-        memo = self.tokenized
-        if memo is None:
-            return super().tokenize(text, add_bos, special)
-        key = (bytes(text), bool(add_bos), bool(special))
-        tokens = memo.get(key)
-        if tokens is None:
-            tokens = super().tokenize(text, add_bos, special)
-            memo.put(key, tokens)
-        return list(tokens)
-
-    def save_state(self) -> Any:
-        """As :meth:`llama_cache.Llama.save_state`, on the compute thread (see :meth:`.ComputeThread.call`)."""
-        save = super().save_state
-        return save() if self.compute is None else self.compute.call(save)
-
-    def load_state(self, state: Any) -> None:
-        """As :meth:`llama_cache.Llama.load_state`, on the compute thread (see :meth:`.ComputeThread.call`)."""
-        load = super().load_state
-        if self.compute is None:
-            load(state)
-        else:
-            self.compute.call(lambda: load(state))
-
-    def _create_completion(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        extra = self.request_stop
-        if extra is not None:
-            existing = kwargs.get("stopping_criteria") or []
-            kwargs["stopping_criteria"] = llama_cpp.StoppingCriteriaList([*existing, extra])
-        return super()._create_completion(*args, **kwargs)
-
-
-class TokenizationMemo:
-    """The texts a server's contexts tokenized last, with their tokens (all contexts share one vocabulary).
-
-    A chat request's prompt is rendered and tokenized once to route it (off the event loop) and again by
-    llama-cpp-python's chat handler on its context: the second is a lookup here (tokenizing a 1,000-token
-    prompt takes about 3 ms). Keys hold the text itself, not a hash, so a lookup cannot return another
-    text's tokens. Thread-safe; O(1) per call plus hashing the text.
-
-    Args:
-        capacity: texts kept, least recently used dropped first.
-    """
-
-    def __init__(self, capacity: int = 32) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple[bytes, bool, bool], tuple[int, ...]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[bytes, bool, bool]) -> tuple[int, ...] | None:
-        """The tokens stored for (text, add_bos, special), or None."""
-        with self._lock:
-            tokens = self._entries.get(key)
-            if tokens is not None:
-                self._entries.move_to_end(key)
-            return tokens
-
-    def put(self, key: tuple[bytes, bool, bool], tokens: Sequence[int]) -> None:
-        """Remember ``tokens`` for (text, add_bos, special), dropping the least recently used beyond capacity."""
-        with self._lock:
-            self._entries[key] = tuple(tokens)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-
-
 @dataclass
 class Slot:
     """One context: its ``Llama``, a copy of its live tokens (updated when it is released) and its use."""
@@ -251,69 +62,6 @@ class Slot:
     llama: SlotLlama
     live: npt.NDArray[np.intc] = field(default_factory=lambda: np.empty(0, dtype=np.intc))
     last_used: int = 0
-
-
-class _Captured(Exception):
-    def __init__(self, prompt: list[int]) -> None:
-        super().__init__("prompt captured")
-        self.prompt = prompt
-
-
-class _PromptProbe:
-    """Stands in for a ``Llama`` in a chat handler: tokenizes as it would, stops at ``create_completion``.
-
-    Chat handlers render the messages with the model's template, tokenize, and call
-    ``llama.create_completion(prompt=tokens, ...)``; capturing that argument gives the exact tokens
-    the real call will evaluate, for routing and for the context-length check.
-    """
-
-    def __init__(self, llama: Llama) -> None:
-        self._llama = llama
-        self.verbose = False
-
-    def create_completion(self, prompt: Any = None, **_: Any) -> Any:
-        if isinstance(prompt, str):
-            raise _Captured(self._llama.tokenize(prompt.encode("utf-8"), special=True))
-        raise _Captured(list(prompt))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._llama, name)
-
-
-def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], **template_options: Any) -> list[int]:
-    """The tokens ``llama.create_chat_completion(messages, **template_options)`` would evaluate.
-
-    Only tokenizes (thread-safe on a shared model); evaluates nothing.
-
-    Raises:
-        ValueError: the chat handler refused the messages or options (an unknown tool, say).
-    """
-    handler = (
-        llama.chat_handler
-        or llama._chat_handlers.get(llama.chat_format)  # noqa: SLF001 - what create_chat_completion uses
-        or llama_cpp.llama_chat_format.get_chat_completion_handler(llama.chat_format)
-    )
-    try:
-        handler(llama=_PromptProbe(llama), messages=messages, **template_options)  # type: ignore[arg-type]
-    except _Captured as captured:
-        return captured.prompt
-    except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as error:
-        raise ValueError(f"the chat template could not render these messages: {error}") from None
-    raise ValueError("the chat handler produced no prompt")
-
-
-def common_prefix(a: npt.NDArray[np.intc], b: npt.NDArray[np.intc]) -> int:
-    """Length of the longest common prefix of two token arrays."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    different = np.flatnonzero(a[:n] != b[:n])
-    return int(different[0]) if len(different) else n
-
-
-def live_tokens(llama: Llama) -> npt.NDArray[np.intc]:
-    """A copy of the tokens a context has evaluated."""
-    return np.array(llama.input_ids[: llama.n_tokens], dtype=np.intc)
 
 
 class SlotPool:
