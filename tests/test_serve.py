@@ -363,7 +363,7 @@ def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_co
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
             events = [line for line in response.iter_lines() if line.startswith("data:")]
-        assert events[-1] == "data: [DONE]" and saving.is_set() and not release.is_set()
+        assert events[-1] == "data: [DONE]" and saving.wait(timeout=30) and not release.is_set()
         # The context holding the prompt is still saving: the next turn waits for it, not for another.
         more = prompt + tokenizer.tokenize(b" The longest river is", add_bos=False)
         _answered_after_waiting_for_the_save(server, release, more)
@@ -394,7 +394,7 @@ def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_
         body = {"prompt": first, "max_tokens": 2, "temperature": 0, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
             assert [line for line in response.iter_lines() if line.startswith("data:")][-1] == "data: [DONE]"
-        assert saving.is_set()
+        assert saving.wait(timeout=30)  # the save starts right after the last chunk
         # Another context is free, but it holds none of the head: the request waits for the saving one.
         _answered_after_waiting_for_the_save(server, release, second)
     finally:
