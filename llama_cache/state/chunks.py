@@ -226,37 +226,34 @@ def encode_chunk(namespace: str, piece: Piece, layout: KVLayout, segments: Seque
     offset = body
     out[offset : offset + 4 * n] = np.ascontiguousarray(piece.tokens, dtype="<i4").view(np.uint8)
     offset += 4 * n
-    # Most chunks lie inside one segment: a slice assignment each, without concatenate's overhead
-    # (two calls per layer per chunk are most of a store's Python time).
-    single = runs[0] if len(runs) == 1 else None
     for i, row in enumerate(layout.k_row_bytes):
         target = out[offset : offset + n * row].reshape(n, row)
-        if single is not None:
-            segment, lo, hi = single
-            target[...] = segment.k[i][lo:hi]
-        else:
-            np.concatenate([segment.k[i][lo:hi] for segment, lo, hi in runs], axis=0, out=target)
+        _gather(target, [segment.k[i][lo:hi] for segment, lo, hi in runs], axis=0)
         offset += n * row
     for i, row in enumerate(layout.v_row_bytes):
         if layout.v_trans:
             el = layout.v_elem_bytes[i]
             target = out[offset : offset + n * row].reshape(layout.n_embd_v[i], n * el)
-            if single is not None:
-                segment, lo, hi = single
-                target[...] = segment.v[i][:, lo * el : hi * el]
-            else:
-                np.concatenate([segment.v[i][:, lo * el : hi * el] for segment, lo, hi in runs], axis=1, out=target)
+            _gather(target, [segment.v[i][:, lo * el : hi * el] for segment, lo, hi in runs], axis=1)
         else:
             target = out[offset : offset + n * row].reshape(n, row)
-            if single is not None:
-                segment, lo, hi = single
-                target[...] = segment.v[i][lo:hi]
-            else:
-                np.concatenate([segment.v[i][lo:hi] for segment, lo, hi in runs], axis=0, out=target)
+            _gather(target, [segment.v[i][lo:hi] for segment, lo, hi in runs], axis=0)
         offset += n * row
     view = memoryview(out)
     _pack_prefix(view, KIND_CHUNK, len(header), len(out) - body, xxhash.xxh3_64_intdigest(view[PREFIX_SIZE:]))
     return [view]
+
+
+def _gather(target: npt.NDArray[np.uint8], parts: list[npt.NDArray[np.uint8]], axis: int) -> None:
+    """Copy ``parts``, joined along ``axis``, into ``target``.
+
+    Most chunks lie inside one segment: one part, copied by slice assignment, without
+    ``np.concatenate``'s overhead (two calls per layer per chunk were most of a store's Python time).
+    """
+    if len(parts) == 1:
+        target[...] = parts[0]
+    else:
+        np.concatenate(parts, axis=axis, out=target)
 
 
 def chunk_size(layout: KVLayout, n_tokens: int) -> int:
