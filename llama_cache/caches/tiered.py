@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any, NamedTuple, TypeVar
@@ -50,6 +49,7 @@ import numpy as np
 
 from llama_cache.caches import lifecycle
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
+from llama_cache.caches.write_behind import WriteBehindQueue
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.values import state_tokens
 from llama_cache.tokens import TokenArray, as_token_array, readonly
@@ -64,9 +64,8 @@ _T = TypeVar("_T")
 
 
 class _Pending(NamedTuple):
-    """A state queued for tiers ``first..stop-1``; ``seq`` orders the queue."""
+    """A state queued for tiers ``first..stop-1``."""
 
-    seq: int
     key: TokenArray
     value: Any
     first: int
@@ -120,13 +119,9 @@ class TieredCache(BaseLlamaCache):
         # Counters, under `_lock`.
         self._hits = self._misses = self._store_errors = self._lookup_errors = 0
         self._logged: set[tuple[int, str, str]] = set()  # failure kinds already logged at WARNING
-        # The queue, its drops and the writer, under `_cond` (never taken while `_lock` is held).
-        self._cond = threading.Condition()
-        self._queue: deque[_Pending] = deque()
-        self._seq = 0  # states ever queued
-        self._active: set[int] = set()  # seqs being written now
-        self._dropped = 0
-        self._writer: threading.Thread | None = None
+        self._pending = WriteBehindQueue(self._write_pending, lambda: None, thread_name="llama-cache-tier-writer",
+                                         idle_seconds=_IDLE_SECONDS)
+        self._dropped = 0  # under `_lock`
         self._fork_locked = False
         lifecycle.register(self, stage=lifecycle.FRONT)
 
@@ -239,58 +234,21 @@ class TieredCache(BaseLlamaCache):
         self._guard(index, "store", self.tiers[index].__setitem__, None, key, value)
 
     def _enqueue(self, key: TokenArray, value: Any, first: int, stop: int) -> None:
-        with self._cond:
-            if len(self._queue) >= self.max_pending:
-                dropped = self._queue.popleft()
+        dropped = self._pending.put(_Pending(key, value, first, stop), self.max_pending, drop_oldest=True)
+        if dropped is not None:
+            with self._lock:
                 self._dropped += 1
-                logger.debug("tiered cache: queue full, dropped a %d-token state", len(dropped.key))
-            self._seq += 1
-            self._queue.append(_Pending(self._seq, key, value, first, stop))
-            if self._writer is None or not self._writer.is_alive():
-                self._start_writer()
-            self._cond.notify_all()
+            logger.debug("tiered cache: queue full, dropped a %d-token state", len(dropped.key))
 
-    def _start_writer(self) -> None:
-        """Start a writer thread. ``_cond`` held."""
-        self._writer = threading.Thread(target=self._write_loop, name="llama-cache-tier-writer", daemon=True)
-        self._writer.start()
-
-    def _write_loop(self) -> None:
-        me = threading.current_thread()
-        while True:
-            with self._cond:
-                if not self._queue and self._writer is me:
-                    self._cond.wait(timeout=_IDLE_SECONDS)  # woken by a store or by close()
-                if not self._queue or self._writer is not me:
-                    if self._writer is me:
-                        self._writer = None
-                    self._cond.notify_all()
-                    return
-                item = self._queue.popleft()
-                self._active.add(item.seq)
-            try:
-                for index in range(item.first, item.stop):
-                    self._store_in(index, item.key, item.value)
-            finally:
-                with self._cond:
-                    self._active.discard(item.seq)
-                    self._cond.notify_all()
-
-    def _wait_for_queue(self) -> None:
-        """Return once every state queued before this call is written or dropped; from the writer, at once."""
-        with self._cond:
-            target = self._seq
-            while any(seq <= target for seq in self._active) or (self._queue and self._queue[0].seq <= target):
-                if self._writer is threading.current_thread():
-                    return
-                if self._writer is None or not self._writer.is_alive():
-                    self._start_writer()  # stopped by close() meanwhile
-                self._cond.wait(timeout=1.0)
+    def _write_pending(self, item: _Pending) -> None:
+        """Store a queued state in its tiers; in the writer thread (never raises: ``_store_in`` guards)."""
+        for index in range(item.first, item.stop):
+            self._store_in(index, item.key, item.value)
 
     def flush(self) -> None:
         """Wait until every state queued before this call reached its tiers (or was dropped), then flush
         the tiers that have a ``flush`` method (the disk tier's own write-behind)."""
-        self._wait_for_queue()
+        self._pending.wait()
         for index, tier in enumerate(self.tiers):
             if callable(flush := getattr(tier, "flush", None)):
                 self._guard(index, "store", flush, None)
@@ -299,9 +257,7 @@ class TieredCache(BaseLlamaCache):
         """Flush, stop the writer thread and close the tiers that have a ``close`` method. Idempotent;
         the cache stays usable as far as its tiers do (the disk tier reopens itself)."""
         self.flush()
-        with self._cond:
-            writer, self._writer = self._writer, None
-            self._cond.notify_all()
+        writer = self._pending.stop()
         if writer is not None and writer is not threading.current_thread():
             writer.join()
         for index, tier in enumerate(self.tiers):
@@ -319,21 +275,19 @@ class TieredCache(BaseLlamaCache):
     @property
     def cache_size(self) -> int:
         """Bytes charged by all tiers (after the queued stores); a failing tier counts 0."""
-        self._wait_for_queue()
+        self._pending.wait()
         size = attrgetter("cache_size")
         return sum(self._guard(index, "count", size, 0, tier) for index, tier in enumerate(self.tiers))
 
     def __len__(self) -> int:
         """The largest tier's entry count (after the queued stores); a failing tier counts 0."""
-        self._wait_for_queue()
+        self._pending.wait()
         return max(stats.entries for stats in self._tier_stats())
 
     def stats(self) -> CacheStats:
         """This cache's lookups and drops, the tiers' sums, and each tier's statistics (see the class)."""
-        self._wait_for_queue()
+        self._pending.wait()
         tiers = self._tier_stats()
-        with self._cond:
-            dropped = self._dropped
         with self._lock:
             return CacheStats(
                 hits=self._hits,
@@ -346,7 +300,7 @@ class TieredCache(BaseLlamaCache):
                 writes=sum(stats.writes for stats in tiers),
                 store_errors=self._store_errors + sum(stats.store_errors for stats in tiers),
                 lookup_errors=self._lookup_errors + sum(stats.lookup_errors for stats in tiers),
-                dropped=dropped + sum(stats.dropped for stats in tiers),
+                dropped=self._dropped + sum(stats.dropped for stats in tiers),
                 round_trips=sum(stats.round_trips for stats in tiers),
                 tiers=tiers,
             )
@@ -410,8 +364,7 @@ class TieredCache(BaseLlamaCache):
     # -------------------------------------------------------------------------------- fork hooks
 
     def _before_fork(self) -> None:
-        self._wait_for_queue()
-        self._cond.acquire()
+        self._pending.wait()
         self._lock.acquire()
         self._fork_locked = True
 
@@ -419,15 +372,11 @@ class TieredCache(BaseLlamaCache):
         if self._fork_locked:
             self._fork_locked = False
             self._lock.release()
-            self._cond.release()
 
     def _reset_after_fork(self) -> None:
         """In a forked child: no writer, an empty queue (the parent drained it), fresh locks."""
         self._lock = threading.RLock()
-        self._cond = threading.Condition()
-        self._queue.clear()
-        self._active.clear()
-        self._writer = None
+        self._pending.reset_after_fork()
         self._fork_locked = False
 
     def __repr__(self) -> str:

@@ -103,7 +103,7 @@ Modules of the package (each states its own contract):
 - :mod:`.chunkstore`: chunk rows, links (reference counts) and their SQL;
 - :mod:`.chunked`: writing a state as chunks and reading a chain back;
 - :mod:`.payloads`: payload files, opened and written safely, mapped or inflated;
-- :mod:`.writer`: the write-behind queue and thread, and the exit and fork hooks;
+- write-behind: :mod:`llama_cache.caches.write_behind` (shared with the tiered cache), exit and fork hooks: :mod:`llama_cache.caches.lifecycle`;
 - :mod:`.checker`: ``check()``, :class:`CheckReport`, ``storage()`` and the orphan sweep.
 """
 

@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
 from llama_cache.caches import lifecycle
+from llama_cache.caches.write_behind import WriteBehindQueue
 from llama_cache.caches.disk import chunked, chunkstore
 from llama_cache.caches.disk.checker import CheckReport, StorageReport, _check, _reclaim_orphans, _storage
 from llama_cache.caches.disk.payloads import DATA_DIR, _compress_level, _DataDir, _Unreadable
@@ -64,7 +65,6 @@ from llama_cache.caches.disk.schema import (
     _transaction,
 )
 from llama_cache.caches.disk.view import _IndexView
-from llama_cache.caches.disk.writer import _WriteQueue
 from llama_cache.state.format import (
     KIND_LLAMA_CACHE,
     KIND_UPSTREAM,
@@ -231,7 +231,8 @@ class LlamaDiskCache(BaseLlamaCache):
         self._hits = self._misses = self._evictions = self._rejected = self._write_errors = 0
         self._writes = self._store_errors = 0
         # Write-behind queue of (key, value, namespace, kind).
-        self._pending = _WriteQueue(lambda item: self._store(*item), self._store_failed)
+        self._pending = WriteBehindQueue(lambda item: self._store(*item), self._store_failed,
+                                         thread_name="llama-cache-disk-writer")
         self._fork_locked = False
         with self._lock:
             self._connection()  # fail early on an unusable directory
