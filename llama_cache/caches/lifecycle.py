@@ -21,9 +21,9 @@ import logging
 import os
 import threading
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["BACK", "FRONT", "ProcessBound", "register"]
+__all__ = ["BACK", "FRONT", "HeldAcrossFork", "ProcessBound", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,31 @@ class ProcessBound(Protocol):
     def _after_fork_in_parent(self) -> None: ...
 
     def _reset_after_fork(self) -> None: ...
+
+
+class HeldAcrossFork:
+    """The parent's side of the fork hooks for a cache with a background writer and one lock ``_lock``.
+
+    Before ``fork``: :meth:`_drain` (the subclass's: wait for its queued writes), then hold ``_lock``, so
+    that the child starts from a state no other thread was changing; after it, the parent lets go. The
+    child's side, ``_reset_after_fork``, is each cache's own (fresh locks, no writer).
+    """
+
+    _lock: Any
+    _fork_locked = False
+
+    def _drain(self) -> None:
+        raise NotImplementedError
+
+    def _before_fork(self) -> None:
+        self._drain()
+        self._lock.acquire()
+        self._fork_locked = True
+
+    def _after_fork_in_parent(self) -> None:
+        if self._fork_locked:
+            self._fork_locked = False
+            self._lock.release()
 
 
 _STAGES: tuple[weakref.WeakSet[ProcessBound], ...] = (weakref.WeakSet(), weakref.WeakSet())

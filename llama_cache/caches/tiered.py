@@ -72,7 +72,7 @@ class _Pending(NamedTuple):
     stop: int
 
 
-class TieredCache(BaseLlamaCache):
+class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     """Several caches used as one, fastest first: lookups read through and promote, stores write behind.
 
     See the module docstring for which tier answers, promotion, the background writer and failures.
@@ -122,7 +122,6 @@ class TieredCache(BaseLlamaCache):
         self._pending = WriteBehindQueue(self._write_pending, lambda: None, thread_name="llama-cache-tier-writer",
                                          idle_seconds=_IDLE_SECONDS)
         self._dropped = 0  # under `_lock`
-        self._fork_locked = False
         lifecycle.register(self, stage=lifecycle.FRONT)
 
     # ------------------------------------------------------------------------------------ lookups
@@ -363,15 +362,8 @@ class TieredCache(BaseLlamaCache):
 
     # -------------------------------------------------------------------------------- fork hooks
 
-    def _before_fork(self) -> None:
+    def _drain(self) -> None:
         self._pending.wait()
-        self._lock.acquire()
-        self._fork_locked = True
-
-    def _after_fork_in_parent(self) -> None:
-        if self._fork_locked:
-            self._fork_locked = False
-            self._lock.release()
 
     def _reset_after_fork(self) -> None:
         """In a forked child: no writer, an empty queue (the parent drained it), fresh locks."""

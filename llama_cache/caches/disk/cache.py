@@ -102,7 +102,7 @@ class _TooBig(Exception):
     """A new entry does not fit the capacity even with every other entry evicted."""
 
 
-class LlamaDiskCache(BaseLlamaCache):
+class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     """A persistent LRU cache of model states in a directory, shared safely by several processes.
 
     ``cache[query]`` returns the state of the best stored entry for ``query``, ties going to the most
@@ -233,7 +233,6 @@ class LlamaDiskCache(BaseLlamaCache):
         # Write-behind queue of (key, value, namespace, kind).
         self._pending = WriteBehindQueue(lambda item: self._store(*item), self._store_failed,
                                          thread_name="llama-cache-disk-writer")
-        self._fork_locked = False
         with self._lock:
             self._connection()  # fail early on an unusable directory
         _reclaim_orphans(self, ORPHAN_GRACE_SECONDS)
@@ -1102,15 +1101,8 @@ class LlamaDiskCache(BaseLlamaCache):
 
     # ---------------------------------------------------------------------------------- fork hooks
 
-    def _before_fork(self) -> None:
+    def _drain(self) -> None:
         self._wait_for_writes()
-        self._lock.acquire()
-        self._fork_locked = True
-
-    def _after_fork_in_parent(self) -> None:
-        if self._fork_locked:
-            self._fork_locked = False
-            self._lock.release()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.cache_dir)!r}, capacity_bytes={self.capacity_bytes})"
