@@ -14,7 +14,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,21 +72,6 @@ def pattern_ok(state: LlamaState) -> bool:
     data = np.asarray(state.seq_bytes())
     expected = ((np.arange(len(data), dtype=np.int64) * (last + 1)) % 251).astype(np.uint8)
     return bool(np.array_equal(data, expected))
-
-
-@pytest.fixture
-def open_cache(tmp_path: Path) -> Iterator[Any]:
-    """A factory of caches in ``tmp_path / "cache"``, all closed at teardown."""
-    caches: list[LlamaDiskCache] = []
-
-    def factory(capacity_bytes: int = 10**7, **kwargs: Any) -> LlamaDiskCache:
-        cache = LlamaDiskCache(kwargs.pop("cache_dir", tmp_path / "cache"), capacity_bytes, **kwargs)
-        caches.append(cache)
-        return cache
-
-    yield factory
-    for cache in caches:
-        cache.close()
 
 
 # -- the contract ---------------------------------------------------------------------------------

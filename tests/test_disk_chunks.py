@@ -123,20 +123,15 @@ def assert_sound(cache: LlamaDiskCache) -> None:
 
 
 @pytest.fixture
-def open_cache(tmp_path: Path) -> Iterator[Any]:
-    """A factory of synchronous caches in ``tmp_path / "cache"`` (chunks of ``C``), closed at teardown."""
-    caches: list[LlamaDiskCache] = []
+def open_cache(open_cache: Any) -> Any:
+    """conftest's factory, making synchronous caches with chunks of ``C`` unless told otherwise."""
 
     def factory(capacity_bytes: int = 10**7, **kwargs: Any) -> LlamaDiskCache:
         kwargs.setdefault("write_behind", False)
         kwargs.setdefault("chunk_tokens", C)
-        cache = LlamaDiskCache(kwargs.pop("cache_dir", tmp_path / "cache"), capacity_bytes, **kwargs)
-        caches.append(cache)
-        return cache
+        return open_cache(capacity_bytes, **kwargs)
 
-    yield factory
-    for cache in caches:
-        cache.close()
+    return factory
 
 
 PREFIX = list(range(100, 124))  # 6 full chunks shared by the entries below

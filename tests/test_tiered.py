@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from llama_cache.state.memory import memory_blocks
 from tests.cache_contract import CacheContract
 from tests.test_disk_cache import disk_size, make_cut_state
 from tests.test_disk_cache import make_state as make_opaque_state
+from tests.test_index import common_len
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,21 +32,6 @@ def ram_size(state: Any) -> int:
 
 def tokens_of(state: Any) -> tuple[int, ...]:
     return tuple(state.tokens.tolist())
-
-
-@pytest.fixture
-def open_disk(tmp_path: Path) -> Iterator[Any]:
-    """A factory of disk tiers in ``tmp_path / "cache"``, all closed at teardown."""
-    caches: list[LlamaDiskCache] = []
-
-    def factory(capacity_bytes: int = 10**7, **kwargs: Any) -> LlamaDiskCache:
-        cache = LlamaDiskCache(tmp_path / "cache", capacity_bytes, **kwargs)
-        caches.append(cache)
-        return cache
-
-    yield factory
-    for cache in caches:
-        cache.close()
 
 
 # -- the contract ---------------------------------------------------------------------------------
@@ -61,8 +47,8 @@ class _TieredContract(CacheContract):
     maker: Any = staticmethod(make_cut_state)
 
     @pytest.fixture(autouse=True)
-    def _directory(self, open_disk: Any) -> None:
-        self._open_disk = open_disk
+    def _directory(self, open_cache: Any) -> None:
+        self._open_disk = open_cache
 
     def make_cache(self, capacity_bytes: int) -> Any:
         fast = slow = capacity_bytes
@@ -142,8 +128,8 @@ class TestTieredContractRecurrentStates(_TieredContract):
 # -- which tier answers, promotion -----------------------------------------------------------------
 
 
-def test_each_tier_tells_how_much_of_a_query_it_holds_without_loading(open_disk: Any) -> None:
-    tiers = ram, trie, disk = LlamaRAMCache(10**7), LlamaTrieCache(10**7), open_disk(write_behind=False)
+def test_each_tier_tells_how_much_of_a_query_it_holds_without_loading(open_cache: Any) -> None:
+    tiers = ram, trie, disk = LlamaRAMCache(10**7), LlamaTrieCache(10**7), open_cache(write_behind=False)
     for tier in tiers:
         tier[[1, 2, 3, 4]] = make_cut_state([1, 2, 3, 4])
         tier[[9]] = make_opaque_state([9])  # cannot be cut back: answers only queries its key prefixes
@@ -158,8 +144,8 @@ def test_each_tier_tells_how_much_of_a_query_it_holds_without_loading(open_disk:
         disk.match_length("abc")  # type: ignore[arg-type]
 
 
-def test_a_state_only_on_disk_is_promoted_and_then_served_from_ram(open_disk: Any) -> None:
-    ram, disk = LlamaRAMCache(10**7), open_disk(write_behind=False)
+def test_a_state_only_on_disk_is_promoted_and_then_served_from_ram(open_cache: Any) -> None:
+    ram, disk = LlamaRAMCache(10**7), open_cache(write_behind=False)
     cache = TieredCache([ram, disk])
     disk[[1, 2, 3]] = make_cut_state([1, 2, 3], logits=True)
     found = cache[[1, 2, 3, 4]]
@@ -175,8 +161,8 @@ def test_a_state_only_on_disk_is_promoted_and_then_served_from_ram(open_disk: An
     assert stats.tiers == (ram.stats(), disk.stats())
 
 
-def test_promotion_reaches_the_middle_tiers_in_the_background(open_disk: Any) -> None:
-    ram, trie, disk = LlamaRAMCache(10**7), LlamaTrieCache(10**7), open_disk(write_behind=False)
+def test_promotion_reaches_the_middle_tiers_in_the_background(open_cache: Any) -> None:
+    ram, trie, disk = LlamaRAMCache(10**7), LlamaTrieCache(10**7), open_cache(write_behind=False)
     cache = TieredCache([ram, trie, disk])
     disk[[4, 5]] = make_cut_state([4, 5])
     found = cache[[4, 5, 6]]
@@ -186,8 +172,8 @@ def test_promotion_reaches_the_middle_tiers_in_the_background(open_disk: Any) ->
     assert disk.stats().writes == 1
 
 
-def test_the_longest_prefix_wins_over_the_fastest_tier(open_disk: Any) -> None:
-    ram, disk = LlamaRAMCache(10**7), open_disk(write_behind=False)
+def test_the_longest_prefix_wins_over_the_fastest_tier(open_cache: Any) -> None:
+    ram, disk = LlamaRAMCache(10**7), open_cache(write_behind=False)
     cache = TieredCache([ram, disk])
     ram[[1, 2, 3]] = make_cut_state([1, 2, 3])  # the system prompt
     disk[[1, 2, 3, 4, 5, 6]] = make_cut_state([1, 2, 3, 4, 5, 6])  # the whole conversation
@@ -381,8 +367,8 @@ def test_bad_tiers_and_arguments_are_refused() -> None:
         TieredCache([ram], max_pending=2.5)  # type: ignore[arg-type]
 
 
-def test_capacity_is_the_sum_and_bind_reaches_the_disk_tier(open_disk: Any) -> None:
-    disk = open_disk(5000)
+def test_capacity_is_the_sum_and_bind_reaches_the_disk_tier(open_cache: Any) -> None:
+    disk = open_cache(5000)
     cache = TieredCache([LlamaRAMCache(3000), disk])
     assert cache.capacity_bytes == 8000 and cache.stats().capacity_bytes == 8000
     assert cache.fingerprint is None
@@ -473,15 +459,6 @@ _MODEL_CHILD = textwrap.dedent(
 )
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @pytest.mark.model
 def test_a_new_process_with_an_empty_ram_tier_hits_from_disk(tmp_path: Path) -> None:
     import llama_cache
@@ -502,7 +479,7 @@ def test_a_new_process_with_an_empty_ram_tier_hits_from_disk(tmp_path: Path) -> 
     prompt_tokens = llm.tokenize(_PROMPT.encode())
     completion_tokens = llm.tokenize(first.encode(), add_bos=False)
     longer_tokens = llm.tokenize(longer.encode())
-    shared = max(_common(longer_tokens, prompt_tokens), _common(longer_tokens, prompt_tokens + completion_tokens))
+    shared = max(common_len(longer_tokens, prompt_tokens), common_len(longer_tokens, prompt_tokens + completion_tokens))
 
     result = _run_python(_MODEL_CHILD, str(directory), longer)
     assert result.returncode == 0, result.stderr
