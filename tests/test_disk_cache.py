@@ -751,7 +751,18 @@ def test_inspect_names_the_model_of_each_namespace(open_cache: Any) -> None:
         cache.bind(None, model_info={"file": "x"})
 
 
-_PLAIN_PROMPT = "Q: What is the capital of France?\nA:"
+PLAIN_PROMPT = "Q: What is the capital of France?\nA:"
+
+
+def plain_cold_answer(model: str) -> str:
+    """``PLAIN_PROMPT``'s greedy answer from a plain ``llama_cpp.Llama`` with no cache."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
+    try:
+        return str(llm(PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"])
+    finally:
+        llm.close()
 
 _PLAIN_CHILD = textwrap.dedent(
     """
@@ -776,25 +787,23 @@ def test_a_plain_llama_cpp_llama_uses_the_disk_cache_unchanged(tmp_path: Path) -
     import llama_cache
 
     model = str(llama_cache.default_model_path())
-    cold_llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
-    cold = cold_llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
-    del cold_llm
+    cold = plain_cold_answer(model)
     directory = tmp_path / "cache"
     llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
     cache = LlamaDiskCache(directory)
     llm.set_cache(cache)  # the spec's example, unchanged
-    first = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    first = llm(PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
     cache.flush()
     files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
     assert cache.stats().writes == 1 and len(files) == 1
-    second = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    second = llm(PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
     stats = cache.stats()  # waits for the queued store
     assert first == second == cold and stats.hits == 1
     # The second completion stored the state it had just restored: nothing new was written.
     assert stats.writes == 1 and sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst")) == files
     cache.close()
 
-    result = _run_python(_PLAIN_CHILD, str(directory), _PLAIN_PROMPT, timeout=120)
+    result = _run_python(_PLAIN_CHILD, str(directory), PLAIN_PROMPT, timeout=120)
     assert result.returncode == 0, result.stderr
     text, hits = json.loads(result.stdout)
     assert text == cold and hits == 1
@@ -816,13 +825,13 @@ def test_after_a_pure_hit_a_completion_writes_no_new_payload(tmp_path: Path) -> 
     directory = tmp_path / "cache"
     cache = LlamaDiskCache(directory, fingerprint=llm.fingerprint)
     llm.set_cache(cache)
-    first = llm.create_completion(_PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    first = llm.create_completion(PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
     cache.flush()
     files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
     writes = cache.stats().writes
     assert len(files) == len(cache) + cache.storage().chunks and writes >= 1
     llm.reset()
-    second = llm.create_completion(_PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    second = llm.create_completion(PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
     assert second == first and cache.stats().hits >= 1
     assert cache.stats().writes == writes
     assert sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst")) == files

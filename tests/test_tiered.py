@@ -20,6 +20,7 @@ from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.memory import memory_blocks
 from tests.cache_contract import CacheContract
 from tests.test_disk_cache import disk_size, make_cut_state
+from tests.test_disk_cache import PLAIN_PROMPT, plain_cold_answer
 from tests.test_disk_cache import make_state as make_opaque_state
 from tests.test_index import common_len
 
@@ -490,9 +491,6 @@ def test_a_new_process_with_an_empty_ram_tier_hits_from_disk(tmp_path: Path) -> 
     assert ram_entries >= 2  # the promoted prefix, and what the completion stored
 
 
-_PLAIN_PROMPT = "Q: What is the capital of France?\nA:"
-
-
 @pytest.mark.model
 def test_a_plain_llama_cpp_llama_uses_the_tiered_cache(tmp_path: Path) -> None:
     import llama_cpp
@@ -500,15 +498,13 @@ def test_a_plain_llama_cpp_llama_uses_the_tiered_cache(tmp_path: Path) -> None:
     import llama_cache
 
     model = str(llama_cache.default_model_path())
-    cold_llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
-    cold = cold_llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
-    del cold_llm
+    cold = plain_cold_answer(model)
     directory = tmp_path / "cache"
     llm = llama_cpp.Llama(model_path=model, n_ctx=512, verbose=False, seed=0)
     cache = TieredCache([LlamaRAMCache(), LlamaDiskCache(directory)])
     llm.set_cache(cache)
-    first = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
-    second = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    first = llm(PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    second = llm(PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
     assert first == second == cold
     stats = cache.stats()
     assert stats.hits == 1 and stats.tiers[0].hits == 1 and stats.tiers[1].writes >= 1
@@ -519,7 +515,7 @@ def test_a_plain_llama_cpp_llama_uses_the_tiered_cache(tmp_path: Path) -> None:
     fresh = TieredCache([LlamaRAMCache(), LlamaDiskCache(directory)])
     llm.set_cache(fresh)
     llm.reset()
-    third = llm(_PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
+    third = llm(PLAIN_PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
     assert third == cold
     ram, disk = fresh.stats().tiers
     assert fresh.stats().hits == 1 and (ram.hits, disk.hits) == (0, 1) and ram.entries >= 1
