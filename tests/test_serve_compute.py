@@ -314,3 +314,26 @@ def test_every_change_to_a_contexts_kv_happens_on_the_compute_thread(contexts, m
     # A prompt sharing the head: llama-cpp-python's generate cuts the KV back to it before evaluating.
     first.create_completion(head + first.tokenize(b" Two, three.", add_bos=False), max_tokens=2, temperature=0)
     assert threads and all(thread is first.compute._thread for thread in threads)  # noqa: SLF001
+
+
+@pytest.mark.model
+def test_a_failing_copy_from_another_context_is_evaluated_instead(contexts, alone, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    first, second = contexts
+    head = _head(first, 12)
+    first.reset()
+    second.reset()
+    first.create_completion(head, max_tokens=1, temperature=0)
+
+    def broken() -> None:
+        raise ValueError("bytes went missing")
+
+    monkeypatch.setattr(first, "_read_seq_bytes", broken)
+    prompt = head + second.tokenize(b" And now a question.", add_bos=False)
+    with caplog.at_level(logging.WARNING, logger="llama_cache.server.contexts"):
+        reply = second.create_completion(prompt, max_tokens=4, temperature=0)
+    assert second.last_prompt_tokens_evaluated == len(prompt)  # nothing borrowed, all evaluated
+    alone.reset()
+    assert reply["choices"][0]["text"] == alone.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert "could not copy" in caplog.text and "bytes went missing" in caplog.text

@@ -12,6 +12,7 @@ never by two requests at once (see :mod:`.slots`); :class:`TokenizationMemo` is 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -29,6 +30,8 @@ from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 
 __all__ = ["MIN_SHARED_TOKENS", "SlotLlama", "TokenizationMemo", "common_prefix", "live_tokens",
            "prompt_tokens_for_chat"]
+
+logger = logging.getLogger(__name__)
 
 
 MIN_SHARED_TOKENS = 32
@@ -127,23 +130,31 @@ class SlotLlama(Llama):
         if best is None or self._state_is_opaque:
             return held
         try:
-            raw = best._read_seq_bytes()  # noqa: SLF001 - another context of this server, read on the compute thread
+            return self._copy_head(best, best_common)
+        except Exception as error:  # noqa: BLE001 - lending is an optimisation: never fail a completion
+            logger.warning("could not copy a %d-token head from another context (%s: %s); evaluating it",
+                           best_common, type(error).__name__, error)
+            return self.n_tokens  # what the context consistently holds: the rest is evaluated
+
+    def _copy_head(self, lender: SlotLlama, n_tokens: int) -> int:
+        """Restore ``lender``'s first ``n_tokens`` here; this context's ``n_tokens`` after it (0 if refused)."""
+        try:
+            raw = lender._read_seq_bytes()  # noqa: SLF001 - another context of this server, read on the compute thread
         except RuntimeError:
-            return held
+            return self.n_tokens
         parsed = parse_seq_state(raw)
-        if parsed is None or parsed[1].n_tokens < best_common:
-            return held
-        tokens = np.array(best.input_ids[: parsed[1].n_tokens], dtype=np.int32)
-        head = LlamaState.from_seq_bytes(tokens, None, best._seed, best.fingerprint, raw).prefix(best_common, None)
+        if parsed is None or parsed[1].n_tokens < n_tokens:
+            return self.n_tokens
+        tokens = np.array(lender.input_ids[: parsed[1].n_tokens], dtype=np.int32)
+        head = LlamaState.from_seq_bytes(tokens, None, lender._seed, lender.fingerprint, raw).prefix(n_tokens, None)
         seed = self._seed
         try:
             Llama.load_state(self, head)  # here, not through the compute thread: this is it
         except IncompatibleStateError:
-            # The context is empty now: what it held is evaluated again with the rest.
-            return self.n_tokens
+            return self.n_tokens  # the context is empty now: what it held is evaluated again with the rest
         finally:
-            self._seed = seed  # the completion's seed, not the sibling's
-        self._forget_base()  # later saves copy this context's own KV, not a view of the sibling's bytes
+            self._seed = seed  # the completion's seed, not the lender's
+        self._forget_base()  # later saves copy this context's own KV, not a view of the lender's bytes
         return self.n_tokens
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
