@@ -11,7 +11,6 @@ import concurrent.futures
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,13 +22,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
 from llama_cache import Llama, LlamaDiskCache, LlamaRAMCache, default_model_path
-from llama_cache.server import ServerConfig, create_app, load_engine
+from llama_cache.server import ServerConfig
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, physical_cores
 from llama_cache.testing.redis_server import RedisServer, redis_available
+from tests.live_server import LiveServer, free_port
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -37,52 +35,9 @@ N_CTX = 1024
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class _LiveServer:
-    """uvicorn serving an app in a background thread on a free loopback port."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.port = _free_port()
-        self.engine = load_engine(config)
-        self.app = create_app(self.engine)
-        self.server = uvicorn.Server(uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", ws="none",
-            timeout_graceful_shutdown=5,
-        ))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", **kwargs)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample of ``/metrics``, parsed by prometheus-client, as ``name{labels}`` -> value."""
-        text = httpx.get(self.url + "/metrics").text
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[_LiveServer]:
-    live = _LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16))
+def server() -> Iterator[LiveServer]:
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16))
     yield live
     live.stop()
 
@@ -105,14 +60,14 @@ def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
 
 # ------------------------------------------------------------------------------------------ basics
 
-def test_models_and_health(server: _LiveServer) -> None:
+def test_models_and_health(server: LiveServer) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == [server.engine.model_name]
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
 
-def test_completion_streamed_and_not_equals_llama(server: _LiveServer, reference: Llama) -> None:
+def test_completion_streamed_and_not_equals_llama(server: LiveServer, reference: Llama) -> None:
     prompt = "The three primary colours are"
     expected = reference.create_completion(prompt, max_tokens=12, temperature=0)["choices"][0]["text"]
     client = server.client()
@@ -123,7 +78,7 @@ def test_completion_streamed_and_not_equals_llama(server: _LiveServer, reference
     assert "".join(c.choices[0].text for c in chunks) == expected
 
 
-def test_chat_streamed_and_not(server: _LiveServer, reference: Llama) -> None:
+def test_chat_streamed_and_not(server: LiveServer, reference: Llama) -> None:
     messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
     expected = reference.create_chat_completion(messages, max_tokens=12, temperature=0)["choices"][0]["message"]
     client = server.client()
@@ -136,7 +91,7 @@ def test_chat_streamed_and_not(server: _LiveServer, reference: Llama) -> None:
 
 
 def test_multi_turn_conversation_equals_llama_and_is_served_from_the_cache(
-    server: _LiveServer, reference: Llama
+    server: LiveServer, reference: Llama
 ) -> None:
     client = server.client()
     system = {"role": "system", "content": "You are a concise assistant. " * 8}
@@ -160,7 +115,7 @@ def test_multi_turn_conversation_equals_llama_and_is_served_from_the_cache(
     assert cached > requested / 3
 
 
-def test_eight_concurrent_clients_get_their_own_answers(server: _LiveServer, reference: Llama) -> None:
+def test_eight_concurrent_clients_get_their_own_answers(server: LiveServer, reference: Llama) -> None:
     prompts = [f"Write the number {n} in words, then a colour:" for n in range(8)]
     expected = [reference.create_completion(p, max_tokens=8, temperature=0)["choices"][0]["text"] for p in prompts]
     client = server.client()
@@ -222,7 +177,7 @@ _BAD_REQUESTS = [
 @pytest.mark.parametrize(("path", "body", "code", "param"), _BAD_REQUESTS,
                          ids=[f"{p.rsplit('/', 1)[1]}-{c}-{q}" for p, _, c, q in _BAD_REQUESTS])
 def test_bad_input_is_a_400_with_an_openai_error_body(
-    server: _LiveServer, path: str, body: Any, code: str, param: str | None
+    server: LiveServer, path: str, body: Any, code: str, param: str | None
 ) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     response = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
@@ -233,7 +188,7 @@ def test_bad_input_is_a_400_with_an_openai_error_body(
     assert error["message"]
 
 
-def test_the_openai_client_sees_bad_input_as_bad_request(server: _LiveServer) -> None:
+def test_the_openai_client_sees_bad_input_as_bad_request(server: LiveServer) -> None:
     client = server.client(max_retries=0)
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": _LONG}], max_tokens=4)
@@ -244,7 +199,7 @@ def test_the_openai_client_sees_bad_input_as_bad_request(server: _LiveServer) ->
     assert client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0).choices
 
 
-def test_log_probabilities_are_refused_and_their_absence_is_not(server: _LiveServer) -> None:
+def test_log_probabilities_are_refused_and_their_absence_is_not(server: LiveServer) -> None:
     client = server.client(max_retries=0)
     messages = [{"role": "user", "content": "Name a colour."}]
     with pytest.raises(openai.BadRequestError) as raised:
@@ -258,7 +213,7 @@ def test_log_probabilities_are_refused_and_their_absence_is_not(server: _LiveSer
 
 # ------------------------------------------------------------------------------------ big requests
 
-def test_a_body_over_the_limit_is_a_413_whether_declared_or_streamed(server: _LiveServer) -> None:
+def test_a_body_over_the_limit_is_a_413_whether_declared_or_streamed(server: LiveServer) -> None:
     request = json.dumps({"prompt": "Hello", "max_tokens": 1}).encode()
     # Valid JSON whatever its length (trailing whitespace): only the limit can refuse it.
     at_limit = request + b" " * (DEFAULT_MAX_BODY_BYTES - len(request))
@@ -284,7 +239,7 @@ def test_a_body_over_the_limit_is_a_413_whether_declared_or_streamed(server: _Li
 
 
 def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
-    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tokenizer = server.engine.pool.slots[0].llama  # the one the app tokenizes prompts with
     entered, release = threading.Event(), threading.Event()
@@ -321,7 +276,7 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
     assert answers == [200, 200]
 
 
-def _hold_saves(server: _LiveServer, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+def _hold_saves(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Make every context's state save wait for ``release``; ``saving`` is set when one starts."""
     saving, release = threading.Event(), threading.Event()
     for slot in server.engine.pool.slots:
@@ -336,7 +291,7 @@ def _hold_saves(server: _LiveServer, monkeypatch: pytest.MonkeyPatch) -> tuple[t
     return saving, release
 
 
-def _answered_after_waiting_for_the_save(server: _LiveServer, release: threading.Event, prompt: list[int]) -> None:
+def _answered_after_waiting_for_the_save(server: LiveServer, release: threading.Event, prompt: list[int]) -> None:
     """Send a completion of ``prompt``; check it queues (for the context whose save is held), then release."""
     answers: list[Any] = []
     waiting = threading.Thread(target=lambda: answers.append(server.client(max_retries=0).completions.create(
@@ -351,7 +306,7 @@ def _answered_after_waiting_for_the_save(server: _LiveServer, release: threading
 
 
 def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_context(
-    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     saving, release = _hold_saves(server, monkeypatch)
     tokenizer = server.engine.pool.slots[0].llama
@@ -378,7 +333,7 @@ def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_co
 
 
 def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_it(
-    server: _LiveServer, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from llama_cache.server.contexts import MIN_SHARED_TOKENS
 
@@ -406,7 +361,7 @@ def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_
 
 # ------------------------------------------------------------------------------------ cancellation
 
-def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: _LiveServer) -> None:
+def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: LiveServer) -> None:
     before = server.metrics()
     body = {"prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 600, "stream": True,
             "temperature": 0}
@@ -430,7 +385,7 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: _Live
     assert server.client().completions.create(model="m", prompt="Hi", max_tokens=2, temperature=0).choices
 
 
-def test_every_evaluation_runs_on_the_compute_thread(server: _LiveServer) -> None:
+def test_every_evaluation_runs_on_the_compute_thread(server: LiveServer) -> None:
     compute = server.engine.compute
     tokens_before, before = compute.tokens, server.metrics()
     prompt = f"Note {time.monotonic_ns()}: the three primary colours are"  # asked by no other test
@@ -449,7 +404,7 @@ def test_every_evaluation_runs_on_the_compute_thread(server: _LiveServer) -> Non
 
 
 def test_a_client_that_disconnects_while_its_prompt_is_read_stops_it_at_the_next_chunk(
-    server: _LiveServer,
+    server: LiveServer,
 ) -> None:
     compute = server.engine.compute
     batch = server.engine.pool.slots[0].llama.n_batch
@@ -470,7 +425,7 @@ def test_a_client_that_disconnects_while_its_prompt_is_read_stops_it_at_the_next
 
 
 def test_a_full_queue_answers_503_with_retry_after() -> None:
-    live = _LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=1))
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=1))
     try:
         body = {"prompt": "Count from 1 to 1000: 1, 2, 3, 4,", "max_tokens": 600, "stream": True, "temperature": 0}
         first = httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60)
@@ -498,7 +453,7 @@ def test_a_full_queue_answers_503_with_retry_after() -> None:
 
 # ------------------------------------------------------------------------------------------ metrics
 
-def test_metrics_parse_and_show_the_hits_a_request_caused(server: _LiveServer) -> None:
+def test_metrics_parse_and_show_the_hits_a_request_caused(server: LiveServer) -> None:
     client = server.client()
     prompt = "A cache hit is counted when this exact prompt is asked again. " * 4
     client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0)
@@ -523,7 +478,7 @@ def test_metrics_parse_and_show_the_hits_a_request_caused(server: _LiveServer) -
 # ------------------------------------------------------------------------------------------ SIGTERM
 
 def test_sigterm_finishes_the_running_request_flushes_the_disk_cache_and_exits(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     cache_dir = tmp_path / "cache"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     log = tmp_path / "serve.log"
@@ -774,7 +729,7 @@ def test_the_tokenization_memo_keeps_the_latest_texts_and_their_exact_tokens() -
 
 
 def test_contexts_share_tokenizations_and_return_the_tokens_llama_cpp_does(
-    server: _LiveServer, reference: Llama
+    server: LiveServer, reference: Llama
 ) -> None:
     first, second = (slot.llama for slot in server.engine.pool.slots[:2])
     assert first.tokenized is not None and first.tokenized is second.tokenized
@@ -813,13 +768,13 @@ def test_two_servers_share_prompt_states_through_disk_and_redis(tmp_path: Path) 
     """Two servers, each with its own RAM tier, share one Redis; the second hits what the first computed."""
     prompt = "A long shared preamble about the rivers of Europe and their ports. " * 10 + "Name one river:"
     with RedisServer() as redis_server:
-        first = _LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "one", redis_url=redis_server.url))
+        first = LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "one", redis_url=redis_server.url))
         try:
             assert [name for name, _ in first.engine.tiers] == ["ram", "disk", "redis"]
             expected = first.client().completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
         finally:
             first.stop()  # drains: the Redis tier is written behind
-        second = _LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "two", redis_url=redis_server.url))
+        second = LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "two", redis_url=redis_server.url))
         try:
             answer = second.client().completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
             metrics = second.metrics()
@@ -863,7 +818,7 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
         config_from_args(parser.parse_args(["serve", "--max-body-bytes", "0"]), {})
 
 
-def test_the_contexts_run_with_the_configured_threads_and_flash_attention(server: _LiveServer) -> None:
+def test_the_contexts_run_with_the_configured_threads_and_flash_attention(server: LiveServer) -> None:
     import llama_cpp
 
     for slot in server.engine.pool.slots:

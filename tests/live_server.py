@@ -1,0 +1,60 @@
+"""A live ``llama-cache serve`` app for tests: uvicorn in a background thread on a free loopback port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from llama_cache.server import ServerConfig, create_app, load_engine
+
+__all__ = ["LiveServer", "free_port"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class LiveServer:
+    """uvicorn serving an app in a background thread on a free loopback port."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.port = free_port()
+        self.engine = load_engine(config)
+        self.app = create_app(self.engine)
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", ws="none",
+            timeout_graceful_shutdown=5,
+        ))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of ``/metrics``, parsed by prometheus-client, as ``name{labels}`` -> value."""
+        text = httpx.get(self.url + "/metrics").text
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
