@@ -12,7 +12,7 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from llama_cache.server import ServerConfig, create_app, load_engine
+from llama_cache.server import DrainingServer, ServerConfig, create_app, load_engine
 
 __all__ = ["LiveServer", "free_port"]
 
@@ -26,13 +26,13 @@ def free_port() -> int:
 class LiveServer:
     """uvicorn serving an app in a background thread on a free loopback port."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, shutdown_timeout: float = 5.0) -> None:
         self.port = free_port()
         self.engine = load_engine(config)
         self.app = create_app(self.engine)
-        self.server = uvicorn.Server(uvicorn.Config(
+        self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", ws="none",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=shutdown_timeout,
         ))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

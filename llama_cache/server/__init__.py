@@ -18,10 +18,10 @@ import signal
 import threading
 from types import FrameType
 
-from llama_cache.server.app import Engine, create_app, load_engine
+from llama_cache.server.app import DrainingServer, Engine, create_app, load_engine
 from llama_cache.server.config import ServerConfig
 
-__all__ = ["Engine", "ServerConfig", "create_app", "load_engine", "serve"]
+__all__ = ["DrainingServer", "Engine", "ServerConfig", "create_app", "load_engine", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     in_main_thread = threading.current_thread() is threading.main_thread()  # else uvicorn takes no signals
     saved = {sig: signal.signal(sig, _stop) for sig in _STOP_SIGNALS} if in_main_thread else {}
     try:
-        uvicorn.Server(uvicorn_config).run()
+        DrainingServer(uvicorn_config).run()
     except _Stopped as stopped:
         logger.info("stopped by %s", stopped)
     finally:

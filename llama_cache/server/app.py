@@ -26,8 +26,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -50,23 +52,34 @@ from llama_cache.caches.tiered import TieredCache
 from llama_cache.server.compute import ComputeThread
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from llama_cache.server.metrics import ServerMetrics
+from llama_cache.server.errors import ApiError
+from llama_cache.server.limits import RequestLimits, check_json_values, check_schema
 from llama_cache.server.protocol import (
-    ApiError,
     ChatRequest,
     CompletionRequest,
     parse_chat_request,
     parse_completion_request,
+    context_length_error,
     parse_json_body,
 )
-from llama_cache.server.contexts import SlotLlama, TokenizationMemo, prompt_tokens_for_chat
+from llama_cache.server.contexts import (
+    PromptTooLong,
+    RenderingCancelled,
+    SlotLlama,
+    TokenizationMemo,
+    longest_token_bytes,
+    prompt_tokens_for_chat,
+)
 from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, SlotPool, run_job
 
-__all__ = ["Engine", "create_app", "load_engine"]
+__all__ = ["DrainingServer", "Engine", "create_app", "load_engine"]
 
 logger = logging.getLogger(__name__)
 
 _END = object()
 RETRY_AFTER_SECONDS = 1
+DRAIN_MARGIN = 2.0
+"""Seconds before uvicorn's shutdown timeout at which a drain answers what is left (see ``_Server.drain``)."""
 # What uvicorn logs for a request whose client went away; recorded in the metrics only.
 CLIENT_CLOSED = 499
 
@@ -83,6 +96,7 @@ class Engine:
     n_ctx: int
     n_vocab: int
     created: int
+    limits: RequestLimits = RequestLimits()
     closed: bool = False
 
     def close(self) -> None:
@@ -120,7 +134,7 @@ def load_engine(config: ServerConfig) -> Engine:
     cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
     options = config.context_options()
     compute = ComputeThread()
-    tokenized = TokenizationMemo()
+    tokenized = TokenizationMemo(max_tokens=config.n_ctx)
     slots = []
     try:
         for index in range(config.parallel):
@@ -137,6 +151,8 @@ def load_engine(config: ServerConfig) -> Engine:
     for slot in slots:
         slot.llama.siblings = [other.llama for other in slots]
     first = slots[0].llama
+    # No text longer than this can tokenize to fewer than n_ctx tokens (twice over: see RequestLimits).
+    max_prompt_bytes = 2 * first.n_ctx() * max(longest_token_bytes(first), 8)
     return Engine(
         pool=SlotPool(slots, config.max_queue, cached=tiers[0][1].match_length),
         compute=compute,
@@ -146,6 +162,7 @@ def load_engine(config: ServerConfig) -> Engine:
         n_ctx=first.n_ctx(),
         n_vocab=first.n_vocab(),
         created=int(time.time()),
+        limits=RequestLimits(max_messages=config.max_messages, max_prompt_bytes=max_prompt_bytes),
     )
 
 
@@ -250,7 +267,16 @@ class _Server:
         )
         self.jobs: set[Job] = set()
         self.worker_futures: set[asyncio.Future[Any]] = set()
+        self.streams: set[asyncio.Queue[Any]] = set()
         self.stopping = False
+        self._cut: asyncio.Event | None = None
+
+    @property
+    def cut(self) -> asyncio.Event:
+        """Set when a drain's time is up: what still waits or runs is answered 503 (see :meth:`drain`)."""
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        return self._cut
 
     # -- routes ---------------------------------------------------------------------------------
 
@@ -284,18 +310,26 @@ class _Server:
 
     # -- completions ------------------------------------------------------------------------------
 
-    def _parse(self, endpoint: str, raw: bytes) -> tuple[CompletionRequest | ChatRequest, list[int]]:
+    def _parse(self, endpoint: str, raw: bytes, job: Job) -> tuple[CompletionRequest | ChatRequest, list[int]]:
         """The validated request and its prompt's tokens. Runs in a thread, beside running completions.
 
+        Everything a request may cost is checked before the work it bounds (:mod:`.limits`): the body's
+        values, then the fields, the schemas and the text's size, then the template is rendered and the
+        rendered prompt's size checked, then it is tokenized. A cancelled ``job`` (its client left) stops
+        before tokenizing.
+
         Raises:
-            ApiError: 400 for bad input or a prompt that does not fit the context.
+            ApiError: 400 for bad input, a request past a limit or a prompt that does not fit the context.
+            RenderingCancelled: the client left.
         """
         engine = self.engine
+        limits = engine.limits
         body = parse_json_body(raw)
+        check_json_values(raw, body)
         tokenizer = engine.pool.slots[0].llama  # tokenizing reads the shared vocabulary only
         parsed: CompletionRequest | ChatRequest
         if endpoint == "/v1/completions":
-            parsed = parse_completion_request(body, engine.n_ctx, engine.n_vocab)
+            parsed = parse_completion_request(body, engine.n_ctx, engine.n_vocab, limits)
             if isinstance(parsed.prompt, list):
                 tokens = parsed.prompt
             elif parsed.prompt:
@@ -304,16 +338,20 @@ class _Server:
                 tokens = [tokenizer.token_bos()]
             param = "prompt"
         else:
-            parsed = parse_chat_request(body, engine.n_ctx)
+            parsed = parse_chat_request(body, engine.n_ctx, engine.n_vocab, limits)
+            for param, schema in _schemas(parsed):
+                check_schema(schema, param, limits)
             try:
-                tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, **parsed.template_options)
+                tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, max_bytes=limits.max_prompt_bytes,
+                                                cancelled=job.cancel.is_set, **parsed.template_options)
+            except PromptTooLong as error:
+                raise context_length_error("messages", f"{error.size} bytes of text once rendered",
+                                           engine.n_ctx) from None
             except ValueError as error:
                 raise ApiError(400, str(error), param="messages", code="invalid_value") from None
             param = "messages"
         if len(tokens) >= engine.n_ctx:
-            raise ApiError(400, f"the prompt is {len(tokens)} tokens long; this server's context holds "
-                           f"{engine.n_ctx} tokens, prompt and completion together",
-                           param=param, code="context_length_exceeded")
+            raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
         return parsed, tokens
 
     def _call(self, parsed: CompletionRequest | ChatRequest, tokens: list[int]) -> Callable[[SlotLlama], Any]:
@@ -332,13 +370,19 @@ class _Server:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
             raw = await read_body(request, self.max_body_bytes)
-            parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw)
         except ApiError as error:
             return self._answer(endpoint, _error_response(error))
         job = Job(started_at=started)
         watcher = _Disconnect(request, job)
         handed_over = False
         try:
+            try:
+                parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw, job)
+            except ApiError as error:
+                return self._answer(endpoint, _error_response(error))
+            except RenderingCancelled:
+                return self._answer(endpoint, Response(status_code=CLIENT_CLOSED))
+            del raw  # the body's bytes are not kept while the request waits and runs
             slot = await self._acquire(endpoint, tokens, watcher)
             if slot is None:
                 self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
@@ -347,6 +391,7 @@ class _Server:
             call = self._call(parsed, tokens)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
+                self.streams.add(queue)
 
                 def answered(live: npt.NDArray[np.intc]) -> None:
                     # The client has every chunk: end its stream now, not after the cache save.
@@ -362,11 +407,21 @@ class _Server:
                 def finish() -> None:  # also when writing failed: the generation must not outlive its client
                     job.cancel.set()
                     watcher.close()
+                    self.streams.discard(queue)
 
                 return _EventStream(queue, finish=finish)
             future = self._start(slot, job, call, None)
+            cut = asyncio.ensure_future(self.cut.wait())
             try:
-                result = await asyncio.shield(future)
+                await asyncio.wait({future, cut}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                cut.cancel()
+            if not future.done():  # the drain's time is up: the worker stops at its next token
+                job.cancel.set()
+                self._record(endpoint, job, 503)
+                return _error_response(_shutting_down())
+            try:
+                result = future.result()
             except Cancelled:
                 self._record(endpoint, job, CLIENT_CLOSED)
                 return Response(status_code=CLIENT_CLOSED)
@@ -394,13 +449,20 @@ class _Server:
         """
         acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens))
         gone = asyncio.ensure_future(watcher.gone.wait())
+        cut = asyncio.ensure_future(self.cut.wait())
         try:
-            await asyncio.wait({acquiring, gone}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({acquiring, gone, cut}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             acquiring.cancel()
             raise
         finally:
             gone.cancel()
+            cut.cancel()
+        if not acquiring.done() and self.cut.is_set():
+            acquiring.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await acquiring
+            raise _Refused(_error_response(_shutting_down()))
         if acquiring.done():
             try:
                 return acquiring.result()
@@ -463,6 +525,25 @@ class _Server:
 
     # -- shutdown ---------------------------------------------------------------------------------
 
+    async def drain(self, timeout: float) -> None:
+        """Refuse new completions now; ``timeout`` seconds on, answer what still waits or runs with 503.
+
+        Run beside uvicorn's graceful shutdown (see :class:`DrainingServer`), which waits ``timeout``
+        seconds for the connections to close, then cancels their tasks. This ends them first, with
+        answers a client can read, :data:`DRAIN_MARGIN` seconds (at most half the timeout) before that:
+        a queued request gets a 503 JSON error body, a running non-streamed one too (its generation
+        stops at the next token), and a running stream gets an error event and ``[DONE]``.
+        """
+        self.stopping = True
+        await asyncio.sleep(max(timeout - min(DRAIN_MARGIN, timeout / 2), 0))
+        self.cut.set()
+        for job in list(self.jobs):
+            if not job.answered:
+                job.cancel.set()
+        for queue in list(self.streams):
+            queue.put_nowait(_shutting_down())
+            queue.put_nowait(_END)
+
     async def shutdown(self) -> None:
         """Cancel what still runs, wait for the worker threads, flush the cache, free the contexts."""
         self.stopping = True
@@ -472,6 +553,53 @@ class _Server:
             await asyncio.wait(set(self.worker_futures))
         self.executor.shutdown(wait=True)
         await asyncio.to_thread(self.engine.close)
+
+
+def _schemas(parsed: ChatRequest) -> Iterator[tuple[str, Any]]:
+    """The JSON schemas a chat request carries (tools' parameters), each with the field it came from."""
+    for name in ("tools", "functions"):
+        for index, entry in enumerate(parsed.template_options.get(name) or ()):
+            function = entry.get("function", entry) if isinstance(entry, dict) else None
+            if isinstance(function, dict) and "parameters" in function:
+                yield f"{name}[{index}].parameters", function["parameters"]
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry on another instance or later", type="server_error",
+                    code="unavailable", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on shutdown lets the app answer what it still holds before the timeout.
+
+    uvicorn's graceful shutdown waits ``timeout_graceful_shutdown`` seconds, then cancels the
+    connections' tasks, which answers a request that has not started its response with a plain-text
+    500 and cuts a stream without an end. Beside that wait this runs the app's drain
+    (:meth:`_Server.drain`): every request gets a 503 JSON error body or a stream's error event first.
+    """
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        server = _find_server(self.config.loaded_app)
+        drain = (asyncio.ensure_future(server.drain(self.config.timeout_graceful_shutdown or 0.0))
+                 if server is not None else None)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if drain is not None:
+                drain.cancel()
+
+
+def _find_server(app: Any) -> _Server | None:
+    """The :class:`_Server` of a :func:`create_app` app, through uvicorn's and any middleware's wrappers."""
+    seen = 0
+    while app is not None and seen < 16:
+        state = getattr(app, "state", None)
+        server = getattr(state, "server", None)
+        if isinstance(server, _Server):
+            return server
+        app = getattr(app, "app", None)
+        seen += 1
+    return None
 
 
 class _Refused(Exception):

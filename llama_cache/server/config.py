@@ -18,6 +18,7 @@ __all__ = ["ServerConfig", "add_serve_command", "config_from_args", "on_off", "p
 DEFAULT_N_CTX = 4096
 DEFAULT_CACHE_RAM = 2 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_MESSAGES = 1024
 # llama-cpp-python's default batch, and llama-server's physical batch (its logical batch of 2048 buys
 # nothing on the CPU backend, and would size llama-cpp-python's logits buffer for 2048 rows).
 N_BATCH = 512
@@ -78,6 +79,8 @@ class ServerConfig:
         flash_attn: llama.cpp's flash attention (``llama-server``'s ``auto`` enables it wherever the
             backend supports it, the CPU included).
         max_body_bytes: the largest request body accepted; a larger one is answered 413.
+        max_messages: the most messages one chat request may hold; more are answered 400
+            (``limit_exceeded``). The other limits on a request are in :mod:`.limits`.
     """
 
     model_path: Path | None = None
@@ -96,6 +99,7 @@ class ServerConfig:
     n_threads: int | None = None
     flash_attn: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_messages: int = DEFAULT_MAX_MESSAGES
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -114,6 +118,8 @@ class ServerConfig:
             raise ValueError(f"n_threads must be positive, got {self.n_threads}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_messages < 1:
+            raise ValueError(f"max_messages must be positive, got {self.max_messages}")
 
     def context_options(self) -> dict[str, Any]:
         """The keyword arguments of each context's ``Llama`` besides the model: size, threads, batch."""
@@ -144,6 +150,8 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "max_body_bytes": ("LLAMA_CACHE_MAX_BODY_BYTES", int,
                        f"largest request body accepted, in bytes; larger ones get 413 "
                        f"(default {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
+    "max_messages": ("LLAMA_CACHE_MAX_MESSAGES", int,
+                     f"most messages in one chat request; more get 400 (default {DEFAULT_MAX_MESSAGES})"),
 }
 # Other spellings of an option: llama-server's name for the thread count.
 _ALIASES = {"n_threads": ["--threads"], "redis_url": ["--redis"]}

@@ -12,8 +12,10 @@ never by two requests at once (see :mod:`.slots`); :class:`TokenizationMemo` is 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -28,8 +30,8 @@ from llama_cache.server.compute import ComputeThread
 from llama_cache.state.kv_layout import parse_seq_state
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 
-__all__ = ["MIN_SHARED_TOKENS", "SlotLlama", "TokenizationMemo", "common_prefix", "live_tokens",
-           "prompt_tokens_for_chat"]
+__all__ = ["MIN_SHARED_TOKENS", "PromptTooLong", "RenderingCancelled", "SlotLlama", "TokenizationMemo",
+           "common_prefix", "live_tokens", "longest_token_bytes", "prompt_tokens_for_chat"]
 
 logger = logging.getLogger(__name__)
 
@@ -196,34 +198,75 @@ class TokenizationMemo:
     A chat request's prompt is rendered and tokenized once to route it (off the event loop) and again by
     llama-cpp-python's chat handler on its context: the second is a lookup here (tokenizing a 1,000-token
     prompt takes about 3 ms). Keys hold the text itself, not a hash, so a lookup cannot return another
-    text's tokens. Thread-safe; O(1) per call plus hashing the text.
+    text's tokens.
+
+    Bounded by bytes (each entry is charged its text plus 4 bytes per token), and it never keeps a
+    tokenization of ``max_tokens`` tokens or more: such a prompt cannot fit a context and is refused, so
+    a refused prompt pins no memory. Thread-safe; O(1) per call plus hashing the text.
 
     Args:
-        capacity: texts kept, least recently used dropped first.
+        capacity_bytes: bytes kept, least recently used dropped first.
+        max_tokens: tokenizations this long or longer are not kept (the context size).
     """
 
-    def __init__(self, capacity: int = 32) -> None:
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
-        self._entries: OrderedDict[tuple[bytes, bool, bool], tuple[int, ...]] = OrderedDict()
+    def __init__(self, capacity_bytes: int = 32 << 20, max_tokens: int | None = None) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.max_tokens = max_tokens
+        self.nbytes = 0
+        self._entries: OrderedDict[tuple[bytes, bool, bool], array[int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[bytes, bool, bool]) -> tuple[int, ...] | None:
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: tuple[bytes, bool, bool]) -> list[int] | None:
         """The tokens stored for (text, add_bos, special), or None."""
         with self._lock:
             tokens = self._entries.get(key)
-            if tokens is not None:
-                self._entries.move_to_end(key)
-            return tokens
+            if tokens is None:
+                return None
+            self._entries.move_to_end(key)
+            return tokens.tolist()
 
     def put(self, key: tuple[bytes, bool, bool], tokens: Sequence[int]) -> None:
-        """Remember ``tokens`` for (text, add_bos, special), dropping the least recently used beyond capacity."""
+        """Remember ``tokens`` for (text, add_bos, special), dropping the least recently used beyond capacity.
+
+        Tokenizations of ``max_tokens`` or more tokens, and entries larger than the whole capacity, are
+        not kept.
+        """
+        if self.max_tokens is not None and len(tokens) >= self.max_tokens:
+            return
+        packed = array("i", tokens)
+        size = self._size(key, packed)
+        if size > self.capacity_bytes:
+            return
         with self._lock:
-            self._entries[key] = tuple(tokens)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= self._size(key, old)
+            self._entries[key] = packed
+            self.nbytes += size
+            while self.nbytes > self.capacity_bytes:
+                dropped_key, dropped = self._entries.popitem(last=False)
+                self.nbytes -= self._size(dropped_key, dropped)
+
+    @staticmethod
+    def _size(key: tuple[bytes, bool, bool], tokens: array[int]) -> int:
+        return len(key[0]) + tokens.itemsize * len(tokens)
+
+
+class PromptTooLong(Exception):
+    """A rendered chat prompt longer (in bytes) than any prompt a context could hold."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the rendered prompt is {size} bytes long")
+        self.size = size
+
+
+class RenderingCancelled(Exception):
+    """The request whose chat prompt was being rendered was cancelled (its client left)."""
 
 
 class _Captured(Exception):
@@ -240,9 +283,19 @@ class _PromptProbe:
     the real call will evaluate, for routing and for the context-length check.
     """
 
-    def __init__(self, llama: Llama) -> None:
+    def __init__(self, llama: Llama, max_bytes: int | None, cancelled: Callable[[], bool] | None) -> None:
         self._llama = llama
+        self._max_bytes = max_bytes
+        self._cancelled = cancelled
         self.verbose = False
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """The rendered prompt's tokens: refused unread past ``max_bytes``, not read for a cancelled request."""
+        if self._max_bytes is not None and len(text) > self._max_bytes:
+            raise PromptTooLong(len(text))
+        if self._cancelled is not None and self._cancelled():
+            raise RenderingCancelled()
+        return self._llama.tokenize(text, add_bos, special)
 
     def create_completion(self, prompt: Any = None, **_: Any) -> Any:
         if isinstance(prompt, str):
@@ -253,13 +306,20 @@ class _PromptProbe:
         return getattr(self._llama, name)
 
 
-def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], **template_options: Any) -> list[int]:
+def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], *, max_bytes: int | None = None,
+                           cancelled: Callable[[], bool] | None = None, **template_options: Any) -> list[int]:
     """The tokens ``llama.create_chat_completion(messages, **template_options)`` would evaluate.
 
-    Only tokenizes (thread-safe on a shared model); evaluates nothing.
+    Only renders and tokenizes (thread-safe on a shared model); evaluates nothing.
+
+    Args:
+        max_bytes: a rendered prompt longer than this is not tokenized (:class:`PromptTooLong`).
+        cancelled: asked once the template is rendered; when true, nothing is tokenized
+            (:class:`RenderingCancelled`).
 
     Raises:
         ValueError: the chat handler refused the messages or options (an unknown tool, say).
+        PromptTooLong, RenderingCancelled: see above.
     """
     handler = (
         llama.chat_handler
@@ -267,7 +327,7 @@ def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], **templ
         or llama_cpp.llama_chat_format.get_chat_completion_handler(llama.chat_format)
     )
     try:
-        handler(llama=_PromptProbe(llama), messages=messages, **template_options)  # type: ignore[arg-type]
+        handler(llama=_PromptProbe(llama, max_bytes, cancelled), messages=messages, **template_options)  # type: ignore[arg-type]
     except _Captured as captured:
         return captured.prompt
     except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as error:
@@ -287,3 +347,18 @@ def common_prefix(a: npt.NDArray[np.intc], b: npt.NDArray[np.intc]) -> int:
 def live_tokens(llama: Llama) -> npt.NDArray[np.intc]:
     """A copy of the tokens a context has evaluated."""
     return np.array(llama.input_ids[: llama.n_tokens], dtype=np.intc)
+
+
+def longest_token_bytes(llama: Llama) -> int:
+    """The length in bytes of the longest text any one token of ``llama``'s vocabulary stands for.
+
+    Special tokens are counted with their text (a prompt may spell them). O(vocabulary), about 30 ms for
+    50,000 tokens: call once per model.
+    """
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    buffer = ctypes.create_string_buffer(1024)
+    longest = 0
+    for token in range(llama.n_vocab()):
+        size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+        longest = max(longest, abs(size))  # a negative size: the piece needs that many bytes
+    return longest

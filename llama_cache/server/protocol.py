@@ -20,46 +20,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from llama_cache.server.errors import ApiError
+from llama_cache.server.limits import RequestLimits, limit_error
+
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
            "parse_json_body"]
 
 # The OpenAI API allows at most 4 stop sequences.
 MAX_STOP_SEQUENCES = 4
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-class ApiError(Exception):
-    """A request the server refuses, with the HTTP status and OpenAI's error fields.
-
-    Args:
-        status: the HTTP status (4xx for the client's mistakes, 5xx for the server's).
-        message: a sentence for the client.
-        param: the request field at fault, if one is.
-        code: a machine-readable code (``context_length_exceeded``, ``invalid_type``...).
-        type: OpenAI's error type (``invalid_request_error`` unless the server is at fault).
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type: str = "invalid_request_error",  # noqa: A002 - OpenAI's field name
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        """The JSON body: ``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -102,8 +71,8 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}", code="invalid_json") from None
+    except (ValueError, RecursionError) as error:  # ValueError: also an integer literal of 4,300+ digits
+        raise ApiError(400, f"the request body is not valid JSON: {_short(str(error))}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     return body
@@ -152,7 +121,9 @@ def _number(body: dict[str, Any], name: str, low: float, high: float, target: st
 
 def _max_tokens(body: dict[str, Any], n_ctx: int, default: int | None) -> int | None:
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = body.get(name, default)
+    value = body.get(name)
+    if value is None:  # absent or null: the endpoint's default (OpenAI's 16 for completions)
+        value = default
     if value is None:
         return None
     if not _is_int(value):
@@ -164,8 +135,8 @@ def _max_tokens(body: dict[str, Any], n_ctx: int, default: int | None) -> int | 
     return int(value)
 
 
-def _common(body: dict[str, Any], n_ctx: int, default_max_tokens: int | None) -> tuple[bool, int | None, str | None,
-                                                                                        dict[str, Any]]:
+def _common(body: dict[str, Any], n_ctx: int, n_vocab: int, default_max_tokens: int | None
+            ) -> tuple[bool, int | None, str | None, dict[str, Any]]:
     """The fields both endpoints share: stream, max_tokens, model and the sampling options."""
     options: dict[str, Any] = {}
     stream = body.get("stream", False)
@@ -188,8 +159,8 @@ def _common(body: dict[str, Any], n_ctx: int, default_max_tokens: int | None) ->
     if top_k is not None:
         if not _is_int(top_k):
             raise _type_error("top_k", "an integer", top_k)
-        if top_k < 0:
-            raise _value_error("top_k", f"must not be negative, got {top_k}")
+        if not 0 <= top_k <= n_vocab:
+            raise _value_error("top_k", f"must be between 0 and the vocabulary size ({n_vocab}), got {top_k}")
         options["top_k"] = int(top_k)
     seed = body.get("seed")
     if seed is not None:
@@ -213,26 +184,40 @@ def _common(body: dict[str, Any], n_ctx: int, default_max_tokens: int | None) ->
             raise _value_error("n", f"must be 1 (one choice per request is supported), got {n}")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None:
-        if not isinstance(logit_bias, dict) or not all(
-            isinstance(k, str) and k.lstrip("-").isdigit() and _is_number(v) for k, v in logit_bias.items()
-        ):
-            raise _type_error("logit_bias", "an object mapping token ids to numbers", logit_bias)
-        options["logit_bias"] = {k: float(v) for k, v in logit_bias.items()}
+        options["logit_bias"] = _logit_bias(logit_bias, n_vocab)
     return stream, max_tokens, model, options
 
 
-def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int) -> CompletionRequest:
+def _logit_bias(value: object, n_vocab: int) -> dict[str, float]:
+    """``logit_bias`` checked: token ids of this vocabulary (as decimal strings) to biases in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object mapping token ids to numbers", value)
+    checked: dict[str, float] = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < n_vocab:
+            raise _value_error("logit_bias", f"maps {_short(key)}, which is not a token id of this model "
+                               f"(0..{n_vocab - 1})")
+        if not _is_number(bias) or not -100 <= bias <= 100:
+            raise _value_error("logit_bias", f"maps token {key} to {_short(bias)}; a bias is a number "
+                               "between -100 and 100")
+        checked[str(int(key))] = float(bias)
+    return checked
+
+
+def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int,
+                             limits: RequestLimits) -> CompletionRequest:
     """Validate a ``/v1/completions`` body.
 
     Args:
         body: the decoded JSON object.
-        n_ctx: the context size (bounds ``max_tokens``).
-        n_vocab: the vocabulary size (bounds token-id prompts).
+        n_ctx: the context size (bounds ``max_tokens`` and the prompt).
+        n_vocab: the vocabulary size (bounds token ids: the prompt's, ``logit_bias``'s, ``top_k``).
+        limits: bounds the prompt's text (``max_prompt_bytes``).
 
     Raises:
         ApiError: 400 naming the first invalid field.
     """
-    stream, max_tokens, model, options = _common(body, n_ctx, default_max_tokens=16)
+    stream, max_tokens, model, options = _common(body, n_ctx, n_vocab, default_max_tokens=16)
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing")
     prompt = body["prompt"]
@@ -241,12 +226,16 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int) -> 
     if isinstance(prompt, list):
         if not prompt or not all(_is_int(t) for t in prompt):
             raise _type_error("prompt", "a string, a list of token ids, or a list of one of those", prompt)
+        if len(prompt) >= n_ctx:
+            raise context_length_error("prompt", f"{len(prompt)} tokens long", n_ctx)
         bad = next((t for t in prompt if not 0 <= t < n_vocab), None)
         if bad is not None:
             raise _value_error("prompt", f"holds token id {bad}, outside the vocabulary (0..{n_vocab - 1})")
         prompt = [int(t) for t in prompt]
     elif not isinstance(prompt, str):
         raise _type_error("prompt", "a string, a list of token ids, or a list of one of those", prompt)
+    elif len(prompt) > limits.max_prompt_bytes or len(prompt.encode("utf-8")) > limits.max_prompt_bytes:
+        raise context_length_error("prompt", f"{len(prompt.encode('utf-8'))} bytes of text", n_ctx)
     for name in ("echo",):
         value = body.get(name)
         if value is not None:
@@ -267,6 +256,12 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int) -> 
     return CompletionRequest(prompt=prompt, stream=stream, max_tokens=max_tokens, model=model, options=options)
 
 
+def context_length_error(param: str, size: str, n_ctx: int) -> ApiError:
+    """The 400 for a prompt that cannot fit the context (``size`` says how big it is)."""
+    return ApiError(400, f"the prompt is {size}; this server's context holds {n_ctx} tokens, prompt and "
+                    "completion together", param=param, code="context_length_exceeded")
+
+
 def _message_content(index: int, message: dict[str, Any]) -> str | None:
     content = message.get("content")
     param = f"messages[{index}].content"
@@ -284,17 +279,19 @@ def _message_content(index: int, message: dict[str, Any]) -> str | None:
     raise _type_error(param, "a string or a list of text parts", content)
 
 
-def parse_chat_request(body: dict[str, Any], n_ctx: int) -> ChatRequest:
+def parse_chat_request(body: dict[str, Any], n_ctx: int, n_vocab: int, limits: RequestLimits) -> ChatRequest:
     """Validate a ``/v1/chat/completions`` body.
 
     Args:
         body: the decoded JSON object.
         n_ctx: the context size (bounds ``max_tokens``).
+        n_vocab: the vocabulary size (bounds ``logit_bias``'s token ids, ``top_k``).
+        limits: bounds the messages (``max_messages``, ``max_prompt_bytes``) and tools (``max_tools``).
 
     Raises:
         ApiError: 400 naming the first invalid field.
     """
-    stream, max_tokens, model, options = _common(body, n_ctx, default_max_tokens=None)
+    stream, max_tokens, model, options = _common(body, n_ctx, n_vocab, default_max_tokens=None)
     if "messages" not in body:
         raise ApiError(400, "'messages' is required", param="messages", code="missing")
     raw = body["messages"]
@@ -302,7 +299,10 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int) -> ChatRequest:
         raise _type_error("messages", "a list of messages", raw)
     if not raw:
         raise _value_error("messages", "must hold at least one message")
+    if len(raw) > limits.max_messages:
+        raise limit_error("messages", f"holds {len(raw)} messages; this server accepts at most {limits.max_messages}")
     messages: list[dict[str, Any]] = []
+    text_bytes = 0
     for index, message in enumerate(raw):
         if not isinstance(message, dict):
             raise _type_error(f"messages[{index}]", "an object", message)
@@ -313,7 +313,10 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int) -> ChatRequest:
         cleaned = dict(message)
         cleaned["role"] = "system" if role == "developer" else role
         cleaned["content"] = _message_content(index, message)
+        text_bytes += len(cleaned["content"] or "")
         messages.append(cleaned)
+    if text_bytes > limits.max_prompt_bytes:  # characters: at least as many UTF-8 bytes
+        raise context_length_error("messages", f"at least {text_bytes} bytes of text", n_ctx)
     logprobs = body.get("logprobs")
     if logprobs is not None:
         if not isinstance(logprobs, bool):
@@ -338,6 +341,8 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int) -> ChatRequest:
         if value is not None:
             if not isinstance(value, kinds):
                 raise _type_error(name, "a list" if kinds is list else "a string or an object", value)
+            if kinds is list and len(value) > limits.max_tools:
+                raise limit_error(name, f"holds {len(value)} entries; this server accepts at most {limits.max_tools}")
             template_options[name] = value
     return ChatRequest(messages=messages, stream=stream, max_tokens=max_tokens, model=model, options=options,
                        template_options=template_options)
