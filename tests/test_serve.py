@@ -716,16 +716,20 @@ def test_a_prompt_sharing_the_head_of_an_answered_request_waits_for_its_slot() -
 def test_the_tokenization_memo_keeps_the_latest_texts_and_their_exact_tokens() -> None:
     from llama_cache.server.contexts import TokenizationMemo
 
-    memo = TokenizationMemo(capacity=2)
-    memo.put((b"a", True, False), [1, 2])
-    memo.put((b"b", True, False), [3])
-    assert memo.get((b"a", True, False)) == (1, 2)  # now the most recently used
+    memo = TokenizationMemo(capacity_bytes=8)  # room for one one-byte text of one token (1 + 4 bytes)
+    memo.put((b"a", True, False), [1])
+    memo.put((b"b", True, False), [3])  # 10 bytes in all: "a" goes
+    assert memo.get((b"a", True, False)) is None and memo.get((b"b", True, False)) == [3]
+    memo = TokenizationMemo(capacity_bytes=16)
+    memo.put((b"a", True, False), [1, 2])  # 9 bytes
+    memo.put((b"b", True, False), [3])  # 5 bytes
+    assert memo.get((b"a", True, False)) == [1, 2]  # now the most recently used
     assert memo.get((b"a", False, False)) is None and memo.get((b"a", True, True)) is None
     memo.put((b"c", True, False), [4])
     assert memo.get((b"b", True, False)) is None  # the least recently used went
-    assert memo.get((b"a", True, False)) == (1, 2) and memo.get((b"c", True, False)) == (4,)
+    assert memo.get((b"a", True, False)) == [1, 2] and memo.get((b"c", True, False)) == [4]
     with pytest.raises(ValueError):
-        TokenizationMemo(capacity=0)
+        TokenizationMemo(capacity_bytes=0)
 
 
 def test_contexts_share_tokenizations_and_return_the_tokens_llama_cpp_does(
@@ -737,7 +741,7 @@ def test_contexts_share_tokenizations_and_return_the_tokens_llama_cpp_does(
     for add_bos, special in ((True, True), (False, True), (True, False)):
         expected = reference.tokenize(text, add_bos=add_bos, special=special)
         assert first.tokenize(text, add_bos=add_bos, special=special) == expected
-        assert first.tokenized.get((text, add_bos, special)) == tuple(expected)
+        assert first.tokenized.get((text, add_bos, special)) == expected
         again = second.tokenize(text, add_bos=add_bos, special=special)  # the memo's answer
         assert again == expected
         again.append(0)  # a caller's list is its own
