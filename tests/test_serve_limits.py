@@ -25,7 +25,7 @@ from llama_cache.server.contexts import (
     TokenizationMemo,
     prompt_tokens_for_chat,
 )
-from llama_cache.server.limits import RequestLimits, check_schema
+from llama_cache.server.limits import PromptTextBound, RequestLimits, check_schema
 from llama_cache.server.errors import ApiError
 from tests.live_server import LiveServer
 
@@ -82,6 +82,9 @@ _REFUSED: list[tuple[str, Any, str, str | None]] = [
      "messages"),
     (_COMPLETIONS, {"prompt": "a" * ((8 << 20) - 64)}, "context_length_exceeded", "prompt"),
     (_COMPLETIONS, {"prompt": [1] * N_CTX}, "context_length_exceeded", "prompt"),
+    (_COMPLETIONS, {"prompt": "<|im_end|>" * N_CTX}, "context_length_exceeded", "prompt"),
+    (_CHAT, {"messages": [{"role": "user", "content": "<|im_end|>" * N_CTX}]}, "context_length_exceeded",
+     "messages"),
     (_CHAT, {"messages": _USER, "tools": [_schema_tool({"type": "object"})] * 129}, "limit_exceeded", "tools"),
     (_CHAT, {"messages": _USER, "tools": [_schema_tool({"type": "string", "maxLength": 100001})]},
      "limit_exceeded", "tools[0].parameters"),
@@ -201,13 +204,32 @@ def test_a_rendered_prompt_is_not_tokenized_past_its_bound_or_for_a_client_that_
     llama.tokenize = counting  # type: ignore[method-assign]
     messages = [{"role": "user", "content": "hello " * 100}]
     with pytest.raises(PromptTooLong) as raised:
-        prompt_tokens_for_chat(llama, messages, max_bytes=300)
-    assert raised.value.size > 600 and not calls
+        prompt_tokens_for_chat(llama, messages, bound=PromptTextBound(n_ctx=256, max_bytes=300, special=None))
+    assert "bytes of text" in str(raised.value) and not calls
     with pytest.raises(RenderingCancelled):
         prompt_tokens_for_chat(llama, messages, cancelled=lambda: True)
     assert not calls
-    assert prompt_tokens_for_chat(llama, messages, max_bytes=10_000, cancelled=lambda: False)
+    bound = PromptTextBound.for_model(llama, 256)
+    assert prompt_tokens_for_chat(llama, messages, bound=bound, cancelled=lambda: False)
     assert len(calls) == 1
+
+
+@pytest.mark.model
+def test_the_text_bound_refuses_only_texts_that_cannot_fit() -> None:
+    import llama_cpp
+
+    llama = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=256, verbose=False, vocab_only=True)
+    bound = PromptTextBound.for_model(llama, 256)
+    assert bound.max_bytes >= 256 * 8 and bound.special is not None
+    # Each special token is one token: 256 of them cannot fit, 255 with a little text may.
+    assert bound.overflow(b"<|im_end|>" * 256, special=True) == "at least 256 special tokens"
+    assert bound.overflow(b"<|im_end|>" * 256, special=False) is None  # parsed as text, it is just bytes
+    assert bound.overflow(b"<|im_end|>" * 200 + b"hello", special=True) is None
+    assert bound.overflow(b"a" * (bound.max_bytes + 1), special=False) is not None
+    # Whatever passes, the tokenizer agrees could fit: each refusal is sound.
+    for text in (b"<|im_start|>" * 255, b"x" * (256 * 3)):
+        if bound.overflow(text, special=True) is not None:
+            assert len(llama.tokenize(text, add_bos=False, special=True)) >= 256
 
 
 @pytest.mark.parametrize(("schema", "ok"), [

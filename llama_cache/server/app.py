@@ -53,7 +53,7 @@ from llama_cache.server.compute import ComputeThread
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.errors import ApiError
-from llama_cache.server.limits import RequestLimits, check_json_values, check_schema
+from llama_cache.server.limits import PromptTextBound, RequestLimits, check_json_values, check_schema
 from llama_cache.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -67,7 +67,6 @@ from llama_cache.server.contexts import (
     RenderingCancelled,
     SlotLlama,
     TokenizationMemo,
-    longest_token_bytes,
     prompt_tokens_for_chat,
 )
 from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, SlotPool, run_job
@@ -96,7 +95,8 @@ class Engine:
     n_ctx: int
     n_vocab: int
     created: int
-    limits: RequestLimits = RequestLimits()
+    limits: RequestLimits
+    text_bound: PromptTextBound
     closed: bool = False
 
     def close(self) -> None:
@@ -151,8 +151,7 @@ def load_engine(config: ServerConfig) -> Engine:
     for slot in slots:
         slot.llama.siblings = [other.llama for other in slots]
     first = slots[0].llama
-    # No text longer than this can tokenize to fewer than n_ctx tokens (twice over: see RequestLimits).
-    max_prompt_bytes = 2 * first.n_ctx() * max(longest_token_bytes(first), 8)
+    text_bound = PromptTextBound.for_model(first, first.n_ctx())
     return Engine(
         pool=SlotPool(slots, config.max_queue, cached=tiers[0][1].match_length),
         compute=compute,
@@ -162,7 +161,8 @@ def load_engine(config: ServerConfig) -> Engine:
         n_ctx=first.n_ctx(),
         n_vocab=first.n_vocab(),
         created=int(time.time()),
-        limits=RequestLimits(max_messages=config.max_messages, max_prompt_bytes=max_prompt_bytes),
+        limits=RequestLimits(max_messages=config.max_messages, max_prompt_bytes=text_bound.max_bytes),
+        text_bound=text_bound,
     )
 
 
@@ -333,7 +333,11 @@ class _Server:
             if isinstance(parsed.prompt, list):
                 tokens = parsed.prompt
             elif parsed.prompt:
-                tokens = tokenizer.tokenize(parsed.prompt.encode("utf-8"), special=True)
+                text = parsed.prompt.encode("utf-8")
+                overflow = engine.text_bound.overflow(text, special=True)
+                if overflow is not None:
+                    raise context_length_error("prompt", overflow, engine.n_ctx)
+                tokens = tokenizer.tokenize(text, special=True)
             else:
                 tokens = [tokenizer.token_bos()]
             param = "prompt"
@@ -342,11 +346,10 @@ class _Server:
             for param, schema in _schemas(parsed):
                 check_schema(schema, param, limits)
             try:
-                tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, max_bytes=limits.max_prompt_bytes,
+                tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, bound=engine.text_bound,
                                                 cancelled=job.cancel.is_set, **parsed.template_options)
             except PromptTooLong as error:
-                raise context_length_error("messages", f"{error.size} bytes of text once rendered",
-                                           engine.n_ctx) from None
+                raise context_length_error("messages", f"{error.size} once rendered", engine.n_ctx) from None
             except ValueError as error:
                 raise ApiError(400, str(error), param="messages", code="invalid_value") from None
             param = "messages"

@@ -12,7 +12,6 @@ never by two requests at once (see :mod:`.slots`); :class:`TokenizationMemo` is 
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 from array import array
@@ -26,12 +25,13 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.llama import Llama
+from llama_cache.server.limits import PromptTextBound
 from llama_cache.server.compute import ComputeThread
 from llama_cache.state.kv_layout import parse_seq_state
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 
 __all__ = ["MIN_SHARED_TOKENS", "PromptTooLong", "RenderingCancelled", "SlotLlama", "TokenizationMemo",
-           "common_prefix", "live_tokens", "longest_token_bytes", "prompt_tokens_for_chat"]
+           "common_prefix", "live_tokens", "prompt_tokens_for_chat"]
 
 logger = logging.getLogger(__name__)
 
@@ -260,8 +260,8 @@ class TokenizationMemo:
 class PromptTooLong(Exception):
     """A rendered chat prompt longer (in bytes) than any prompt a context could hold."""
 
-    def __init__(self, size: int) -> None:
-        super().__init__(f"the rendered prompt is {size} bytes long")
+    def __init__(self, size: str) -> None:
+        super().__init__(f"the rendered prompt is {size}")
         self.size = size
 
 
@@ -283,16 +283,17 @@ class _PromptProbe:
     the real call will evaluate, for routing and for the context-length check.
     """
 
-    def __init__(self, llama: Llama, max_bytes: int | None, cancelled: Callable[[], bool] | None) -> None:
+    def __init__(self, llama: Llama, bound: PromptTextBound | None, cancelled: Callable[[], bool] | None) -> None:
         self._llama = llama
-        self._max_bytes = max_bytes
+        self._bound = bound
         self._cancelled = cancelled
         self.verbose = False
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
-        """The rendered prompt's tokens: refused unread past ``max_bytes``, not read for a cancelled request."""
-        if self._max_bytes is not None and len(text) > self._max_bytes:
-            raise PromptTooLong(len(text))
+        """The rendered prompt's tokens: refused unread past ``bound``, not read for a cancelled request."""
+        overflow = self._bound.overflow(text, special) if self._bound is not None else None
+        if overflow is not None:
+            raise PromptTooLong(overflow)
         if self._cancelled is not None and self._cancelled():
             raise RenderingCancelled()
         return self._llama.tokenize(text, add_bos, special)
@@ -306,14 +307,14 @@ class _PromptProbe:
         return getattr(self._llama, name)
 
 
-def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], *, max_bytes: int | None = None,
+def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], *, bound: PromptTextBound | None = None,
                            cancelled: Callable[[], bool] | None = None, **template_options: Any) -> list[int]:
     """The tokens ``llama.create_chat_completion(messages, **template_options)`` would evaluate.
 
     Only renders and tokenizes (thread-safe on a shared model); evaluates nothing.
 
     Args:
-        max_bytes: a rendered prompt longer than this is not tokenized (:class:`PromptTooLong`).
+        bound: a rendered prompt that cannot fit the context by it is not tokenized (:class:`PromptTooLong`).
         cancelled: asked once the template is rendered; when true, nothing is tokenized
             (:class:`RenderingCancelled`).
 
@@ -327,7 +328,7 @@ def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], *, max_
         or llama_cpp.llama_chat_format.get_chat_completion_handler(llama.chat_format)
     )
     try:
-        handler(llama=_PromptProbe(llama, max_bytes, cancelled), messages=messages, **template_options)  # type: ignore[arg-type]
+        handler(llama=_PromptProbe(llama, bound, cancelled), messages=messages, **template_options)  # type: ignore[arg-type]
     except _Captured as captured:
         return captured.prompt
     except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as error:
@@ -348,17 +349,3 @@ def live_tokens(llama: Llama) -> npt.NDArray[np.intc]:
     """A copy of the tokens a context has evaluated."""
     return np.array(llama.input_ids[: llama.n_tokens], dtype=np.intc)
 
-
-def longest_token_bytes(llama: Llama) -> int:
-    """The length in bytes of the longest text any one token of ``llama``'s vocabulary stands for.
-
-    Special tokens are counted with their text (a prompt may spell them). O(vocabulary), about 30 ms for
-    50,000 tokens: call once per model.
-    """
-    vocab = llama_cpp.llama_model_get_vocab(llama.model)
-    buffer = ctypes.create_string_buffer(1024)
-    longest = 0
-    for token in range(llama.n_vocab()):
-        size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
-        longest = max(longest, abs(size))  # a negative size: the piece needs that many bytes
-    return longest
