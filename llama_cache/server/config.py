@@ -18,6 +18,8 @@ __all__ = ["ServerConfig", "add_serve_command", "config_from_args", "on_off", "p
 DEFAULT_N_CTX = 4096
 DEFAULT_CACHE_RAM = 2 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+# llama-server's default slot count.
+DEFAULT_PARALLEL = 4
 # llama-cpp-python's default batch, and llama-server's physical batch (its logical batch of 2048 buys
 # nothing on the CPU backend, and would size llama-cpp-python's logits buffer for 2048 rows).
 N_BATCH = 512
@@ -84,7 +86,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     n_ctx: int = DEFAULT_N_CTX
-    parallel: int = 1
+    parallel: int = DEFAULT_PARALLEL
     cache_ram: int = DEFAULT_CACHE_RAM
     cache_dir: Path | None = None
     cache_disk: int = DEFAULT_CACHE_RAM
@@ -127,7 +129,8 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "host": ("LLAMA_CACHE_HOST", str, "address to listen on (default 127.0.0.1)"),
     "port": ("LLAMA_CACHE_PORT", int, "port to listen on (default 8000)"),
     "n_ctx": ("LLAMA_CACHE_N_CTX", int, f"tokens per context (default {DEFAULT_N_CTX})"),
-    "parallel": ("LLAMA_CACHE_PARALLEL", int, "contexts, i.e. requests served at once (default 1)"),
+    "parallel": ("LLAMA_CACHE_PARALLEL", int,
+                 f"contexts, i.e. requests served at once (default {DEFAULT_PARALLEL}, as llama-server)"),
     "cache_ram": ("LLAMA_CACHE_CACHE_RAM", int, "RAM prompt cache budget in bytes (default 2 GiB)"),
     "cache_dir": ("LLAMA_CACHE_CACHE_DIR", Path, "keep the prompt cache on disk in this directory"),
     "cache_disk": ("LLAMA_CACHE_CACHE_DISK", int, "disk prompt cache budget in bytes (default 2 GiB)"),
