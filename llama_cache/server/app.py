@@ -3,6 +3,9 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
 ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
+Before any route, :mod:`.access` answers CORS preflights and refuses requests without a valid API key
+(when keys are configured).
+
 A completion's life: the body is read (at most ``max_body_bytes``, else 413), then decoded, validated
 (:mod:`.protocol`) and its prompt tokenized in a thread, so that a huge prompt does not hold up the
 event loop and the other requests' streams; the request waits for a slot in FIFO order
@@ -45,10 +48,11 @@ from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
-from llama_cache.caches.redis_tier import LlamaRedisCache
+from llama_cache.caches.redis_tier import LlamaRedisCache, redact_url
 from llama_cache.caches.tiered import TieredCache
+from llama_cache.server.access import access_middleware
 from llama_cache.server.compute import ComputeThread
-from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from llama_cache.server.config import ServerConfig
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.protocol import (
     ApiError,
@@ -117,6 +121,7 @@ def load_engine(config: ServerConfig) -> Engine:
         tiers.append(("disk", LlamaDiskCache(config.cache_dir, capacity_bytes=config.cache_disk)))
     if config.redis_url is not None:
         tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
+        logger.info("prompt cache: sharing states through Redis at %s", redact_url(config.redis_url))
     cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
     options = config.context_options()
     compute = ComputeThread()
@@ -480,16 +485,23 @@ class _Refused(Exception):
         self.response = response
 
 
-def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_bytes: int | None = None
+               ) -> Starlette:
     """The Starlette app serving ``engine``; its lifespan's end closes the engine.
 
     Args:
         engine: what to serve (see :func:`load_engine`).
-        max_body_bytes: completion requests with a larger body are answered 413.
+        config: the request settings it reads: ``api_keys``, ``metrics_public``, ``cors_origins``
+            (:mod:`.access`) and ``max_body_bytes``; None: the defaults (no key, no CORS).
+        max_body_bytes: completion requests with a larger body are answered 413 (default:
+            ``config.max_body_bytes``).
 
-    The app owns its :class:`~.metrics.ServerMetrics` registry (``app.state.metrics``).
+    The app owns its :class:`~.metrics.ServerMetrics` registry (``app.state.metrics``); requests refused
+    for their key are counted there with status 401, under their route's path, or ``other`` for a path
+    the app does not serve (any path a client sends would otherwise become a label).
     """
-    server = _Server(engine, max_body_bytes)
+    settings = config if config is not None else ServerConfig()
+    server = _Server(engine, settings.max_body_bytes if max_body_bytes is None else max_body_bytes)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)
@@ -504,14 +516,23 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         finally:
             await server.shutdown()
 
+    routes = [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_route, methods=["GET"]),
+    ]
+    endpoints = {route.path for route in routes}
+
+    def unauthorized(path: str) -> None:
+        server.metrics.requests.labels(path if path in endpoints else "other", "401").inc()
+
     app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", server.chat, methods=["POST"]),
-            Route("/v1/completions", server.completions, methods=["POST"]),
-            Route("/v1/models", server.models, methods=["GET"]),
-            Route("/health", server.health, methods=["GET"]),
-            Route("/metrics", server.metrics_route, methods=["GET"]),
-        ],
+        routes=routes,
+        middleware=access_middleware(
+            api_keys=settings.api_keys, cors_origins=settings.cors_origins, on_refused=unauthorized,
+            public_paths=("/health", "/metrics") if settings.metrics_public else ("/health",)),
         exception_handlers={_Refused: refused},
         lifespan=lifespan,
     )
