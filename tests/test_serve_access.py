@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import ssl
@@ -201,6 +202,54 @@ def test_cors_for_any_origin(open_server: LiveServer) -> None:
     assert "x-stainless-os" in preflight.headers["access-control-allow-headers"].lower()
     answered = httpx.get(open_server.url + "/v1/models", headers={"Origin": "https://anywhere.example"})
     assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "*"
+
+
+# ------------------------------------------------------------------------------------- body deadline
+
+def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """Everything the server sends until it closes the connection; fails if it has not within ``timeout``."""
+    sock.settimeout(timeout)
+    received = b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:  # closed while our last byte was on its way: what came before counts
+            return received
+        if not chunk:
+            return received
+        received += chunk
+
+
+@pytest.mark.model
+def test_a_body_trickled_past_the_deadline_is_a_408_and_the_server_goes_on(keyed: LiveServer) -> None:
+    before = keyed.metrics()
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 2}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    assert len(body) * 0.5 > 5 * BODY_TIMEOUT  # the whole body would take far longer than the deadline
+    with socket.create_connection(("127.0.0.1", keyed.port), timeout=10) as sock:
+        sock.sendall(head)
+        started = time.monotonic()
+        for byte in body:  # a byte every half second, until the server answers
+            sock.sendall(bytes([byte]))
+            readable, _, _ = select.select([sock], [], [], 0.5)
+            if readable:
+                break
+        else:
+            pytest.fail("the whole body was trickled in without an answer")
+        answered_after = time.monotonic() - started
+        response = _read_until_closed(sock, timeout=10)  # and the connection is dropped
+    status_line, _, rest = response.partition(b"\r\n")
+    headers, _, content = rest.partition(b"\r\n\r\n")
+    assert status_line.startswith(b"HTTP/1.1 408")
+    assert b"connection: close" in headers.lower()
+    error = json.loads(content)["error"]
+    assert (error["code"], error["type"]) == ("request_timeout", "invalid_request_error")
+    assert BODY_TIMEOUT - 0.1 <= answered_after < BODY_TIMEOUT + 4  # 4 s of slack for a busy machine
+    after = keyed.metrics()
+    timed_out = 'llama_cache_requests_total{endpoint="/v1/completions",status="408"}'
+    assert after[timed_out] - before.get(timed_out, 0) == 1
+    assert keyed.client(max_retries=0).completions.create(model="m", prompt="Hi", max_tokens=2).choices
 
 
 # ----------------------------------------------------------------------------------------------- TLS
