@@ -74,7 +74,8 @@ def _parse(argv: list[str], environ: dict[str, str] | None = None) -> ServerConf
     return config_from_args(parser.parse_args(["serve", *argv]), environ or {})
 
 
-def _assert_invalid_key_body(response: httpx.Response) -> None:
+def _assert_invalid_key_body(response: Any) -> None:
+    """``response`` (httpx's, or the openai client's own httpx2's) is the 401 for a missing or wrong key."""
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
     error = response.json()["error"]
@@ -289,7 +290,7 @@ def test_https_with_keys_from_a_file_and_the_environment_and_public_metrics(tmp_
             _wait_for(up)
             assert http.get("/metrics").status_code == 200  # --metrics-public
             assert http.get("/v1/models").status_code == 401
-        with httpx.Client(verify=trusted, timeout=60) as transport:
+        with openai.DefaultHttpxClient(verify=trusted, timeout=60) as transport:
             for key in ("sk-file-one", "sk-file-two", "sk-env-one", "sk-env-two"):
                 client = openai.OpenAI(base_url=url + "/v1", api_key=key, http_client=transport, max_retries=0)
                 assert client.models.list().data
