@@ -1,4 +1,8 @@
-"""A live ``llama-cache serve`` app for tests: uvicorn in a background thread on a free loopback port."""
+"""A live ``llama-cache serve`` app for tests: uvicorn in a background thread on a free loopback port.
+
+The app gets the whole :class:`ServerConfig` (keys, CORS, limits); the server listens on loopback, on a
+free port, over plain HTTP whatever the config's ``host``, ``port`` and TLS files.
+"""
 
 from __future__ import annotations
 
@@ -24,12 +28,16 @@ def free_port() -> int:
 
 
 class LiveServer:
-    """uvicorn serving an app in a background thread on a free loopback port."""
+    """uvicorn serving an app in a background thread on a free loopback port.
+
+    :meth:`client` and :meth:`metrics` present the config's first API key, if it has any.
+    """
 
     def __init__(self, config: ServerConfig, shutdown_timeout: float = 5.0) -> None:
         self.port = free_port()
         self.engine = load_engine(config)
-        self.app = create_app(self.engine)
+        self.app = create_app(self.engine, config)
+        self.key = config.api_keys[0] if config.api_keys else None
         self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", ws="none",
             timeout_graceful_shutdown=shutdown_timeout,
@@ -43,11 +51,15 @@ class LiveServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", **kwargs)
+        kwargs.setdefault("api_key", self.key or "unused")
+        return openai.OpenAI(base_url=self.url + "/v1", **kwargs)
 
     def metrics(self) -> dict[str, float]:
         """Every sample of ``/metrics``, parsed by prometheus-client, as ``name{labels}`` -> value."""
-        text = httpx.get(self.url + "/metrics").text
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        response = httpx.get(self.url + "/metrics", headers=headers)
+        response.raise_for_status()
+        text = response.text
         samples: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for sample in family.samples:

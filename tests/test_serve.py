@@ -485,7 +485,7 @@ def test_sigterm_finishes_the_running_request_flushes_the_disk_cache_and_exits(t
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "llama_cache.cli", "serve", "--port", str(port), "--n-ctx", str(N_CTX),
-             "--cache-dir", str(cache_dir), "--shutdown-timeout", "60"],
+             "--parallel", "1", "--cache-dir", str(cache_dir), "--shutdown-timeout", "60"],
             env=env, stdout=sink, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
@@ -772,13 +772,15 @@ def test_two_servers_share_prompt_states_through_disk_and_redis(tmp_path: Path) 
     """Two servers, each with its own RAM tier, share one Redis; the second hits what the first computed."""
     prompt = "A long shared preamble about the rivers of Europe and their ports. " * 10 + "Name one river:"
     with RedisServer() as redis_server:
-        first = LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "one", redis_url=redis_server.url))
+        first = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, cache_dir=tmp_path / "one",
+                                       redis_url=redis_server.url))
         try:
             assert [name for name, _ in first.engine.tiers] == ["ram", "disk", "redis"]
             expected = first.client().completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
         finally:
             first.stop()  # drains: the Redis tier is written behind
-        second = LiveServer(ServerConfig(n_ctx=N_CTX, cache_dir=tmp_path / "two", redis_url=redis_server.url))
+        second = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, cache_dir=tmp_path / "two",
+                                        redis_url=redis_server.url))
         try:
             answer = second.client().completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
             metrics = second.metrics()

@@ -39,7 +39,8 @@ chains or misses, and ``sweep`` repairs the accounting.
 bounded by ``timeout`` seconds; a failing lookup is a miss and a failing store is skipped, each logged
 once per outage (at WARNING) and counted in ``stats().store_errors`` and :attr:`errors`; redis-py
 reconnects by itself on the next call. Nothing raises out of a lookup or a store. ``rediss://`` URLs,
-passwords and usernames pass through to redis-py.
+passwords and usernames pass through to redis-py; the password never reaches a log line or ``repr``
+(:func:`redact_url`, and redis-py's error messages are scrubbed of it before they are logged).
 
 What it stores: llama-cache states of transformer models (with a KV layout). Other values (recurrent
 states, llama-cpp-python's own states) are not stored here (counted in ``store_errors``, logged once);
@@ -53,8 +54,10 @@ import hashlib
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import llama_cpp
 import numpy as np
@@ -85,7 +88,7 @@ from llama_cache.state.kv_layout import KVLayout, KVSegment
 from llama_cache.state.llama_state import LlamaState
 from llama_cache.tokens import as_token_array
 
-__all__ = ["LlamaRedisCache"]
+__all__ = ["LlamaRedisCache", "redact_url"]
 
 logger = logging.getLogger("llama_cache.caches.redis")
 
@@ -246,6 +249,7 @@ class LlamaRedisCache(BaseLlamaCache):
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, got {type(url).__name__}")
         self.url = url
+        self._secrets = _url_secrets(url)
         self.timeout = float(timeout)
         self.chunk_tokens = chunk_tokens
         self.verify = bool(verify)
@@ -642,7 +646,8 @@ class LlamaRedisCache(BaseLlamaCache):
                 first = self._failing is None
                 self._failing = kind
             if first:
-                logger.warning("redis cache: %s failed (%s: %s); misses until Redis answers again", what, kind, error)
+                logger.warning("redis cache: %s failed (%s: %s); misses until Redis answers again", what, kind,
+                               self._scrub(str(error)))
             return None
         with self._lock:
             self._round_trips += trips
@@ -652,8 +657,14 @@ class LlamaRedisCache(BaseLlamaCache):
             logger.warning("redis cache: Redis answers again")
         return result
 
+    def _scrub(self, text: str) -> str:
+        """``text`` (an error message) with the URL's password replaced by ``***``."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r}, capacity_bytes={self.capacity_bytes})"
+        return f"{type(self).__name__}({redact_url(self.url)!r}, capacity_bytes={self.capacity_bytes})"
 
 
 class _Plan:
@@ -815,6 +826,39 @@ def _digest(tokens: npt.NDArray[np.int32]) -> bytes:
 
 def _entry_key(fingerprint: str, tokens: npt.NDArray[np.int32]) -> str:
     return _prefix(fingerprint) + "e:" + _digest(tokens).hex()
+
+
+_PASSWORD_ARGUMENT = re.compile(r"([?&]password=)([^&#]*)", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` fit for a log line: its password, and any ``password=`` query argument, as ``***``.
+
+    ``redis://user:secret@host:6379/0`` becomes ``redis://user:***@host:6379/0`` and
+    ``redis://:secret@host:6379`` ``redis://:***@host:6379``. User information without a colon
+    (``redis://secret@host``, often meant as a password) is replaced whole. Everything up to the last
+    ``@`` counts as user information, so an ``@`` inside an unescaped password is covered too. A URL
+    without credentials is returned unchanged.
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        scheme, rest = "", url
+    userinfo, at, location = rest.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        rest = f"{user}:***@{location}" if colon else f"***@{location}"
+    return scheme + separator + _PASSWORD_ARGUMENT.sub(r"\1***", rest)
+
+
+def _url_secrets(url: str) -> list[str]:
+    """What :func:`redact_url` hides, as written and percent-decoded, longest first: to scrub messages."""
+    rest = url.partition("://")[2] or url
+    userinfo, at, _ = rest.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    secrets = [password if colon else user] if at else []
+    secrets += [match.group(2) for match in _PASSWORD_ARGUMENT.finditer(rest)]
+    found = {text for secret in secrets for text in (secret, unquote(secret)) if text}
+    return sorted(found, key=len, reverse=True)
 
 
 def _connect(url: str, timeout: float, cluster: bool) -> Any:

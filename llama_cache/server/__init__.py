@@ -1,6 +1,7 @@
 """``llama-cache serve``: an OpenAI-compatible HTTP server whose contexts share one prompt cache.
 
 - :mod:`.config`: settings from options and environment variables.
+- :mod:`.access`: API keys and CORS, before any route.
 - :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
 - :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
 - :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
@@ -18,6 +19,7 @@ import signal
 import threading
 from types import FrameType
 
+from llama_cache.server.access import is_loopback
 from llama_cache.server.app import DrainingServer, Engine, create_app, load_engine
 from llama_cache.server.config import ServerConfig
 
@@ -34,7 +36,8 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     On SIGTERM uvicorn stops accepting connections and waits up to ``config.shutdown_timeout``
     seconds for running and queued requests, then cancels the rest; the app then flushes the prompt
     cache's background writes and frees the contexts, and this function returns (the command then
-    exits with status 0).
+    exits with status 0). HTTPS when ``config`` names a key and certificate. A warning is logged when
+    the server listens beyond loopback with no API key.
 
     Raises:
         FileNotFoundError, ValueError: the model could not be loaded.
@@ -42,15 +45,20 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     """
     import uvicorn
 
+    if not config.api_keys and not is_loopback(config.host):
+        logger.warning("listening on %s with no API key: whoever reaches this address may use the model "
+                       "(set --api-key-file or $LLAMA_CACHE_API_KEY)", config.host)
     engine = load_engine(config)
     options = config.context_options()
     logger.info("serving %s with %d context(s) of %d tokens, %d threads each, flash attention %s, %s prompt cache",
                 engine.model_name, len(engine.pool.slots), engine.n_ctx, options["n_threads"],
                 "on" if options["flash_attn"] else "off", " + ".join(name for name, _ in engine.tiers))
     uvicorn_config = uvicorn.Config(
-        create_app(engine, max_body_bytes=config.max_body_bytes),
+        create_app(engine, config),
         host=config.host,
         port=config.port,
+        ssl_keyfile=config.ssl_keyfile,
+        ssl_certfile=config.ssl_certfile,
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=config.shutdown_timeout,

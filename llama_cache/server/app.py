@@ -3,7 +3,11 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
 ``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
-A completion's life: the body is read (at most ``max_body_bytes``, else 413), then decoded, validated
+Before any route, :mod:`.access` answers CORS preflights and refuses requests without a valid API key
+(when keys are configured).
+
+A completion's life: the body is read (at most ``max_body_bytes``, else 413, within ``body_timeout``
+seconds, else 408), then decoded, validated
 (:mod:`.protocol`) and its prompt tokenized in a thread, so that a huge prompt does not hold up the
 event loop and the other requests' streams; the request waits for a slot in FIFO order
 (:meth:`.SlotPool.acquire`); the completion runs in a worker thread (:func:`.slots.run_job`) on
@@ -47,10 +51,11 @@ from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
-from llama_cache.caches.redis_tier import LlamaRedisCache
+from llama_cache.caches.redis_tier import LlamaRedisCache, redact_url
 from llama_cache.caches.tiered import TieredCache
+from llama_cache.server.access import access_middleware
 from llama_cache.server.compute import ComputeThread
-from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, ServerConfig
+from llama_cache.server.config import DEFAULT_BODY_TIMEOUT, ServerConfig
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.errors import ApiError
 from llama_cache.server.limits import PromptTextBound, RequestLimits, check_json_values, check_schema
@@ -131,6 +136,7 @@ def load_engine(config: ServerConfig) -> Engine:
         tiers.append(("disk", LlamaDiskCache(config.cache_dir, capacity_bytes=config.cache_disk)))
     if config.redis_url is not None:
         tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
+        logger.info("prompt cache: sharing states through Redis at %s", redact_url(config.redis_url))
     cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
     options = config.context_options()
     compute = ComputeThread()
@@ -170,18 +176,29 @@ def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, refused once it passes ``limit`` bytes.
+async def read_body(request: Request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT) -> bytes:
+    """The request's body, refused once it passes ``limit`` bytes or takes more than ``timeout`` seconds.
 
     A body declared larger (``Content-Length``) is refused before any of it is read; one sent in chunks
-    is read up to the first chunk past the limit. Memory held is at most ``limit`` plus one chunk.
+    is read up to the first chunk past the limit. Memory held is at most ``limit`` plus one chunk. The
+    deadline bounds the whole read, from this call to the body's last byte: a client trickling its body
+    (a byte a second) is refused when it passes, and nothing more of that body is read.
 
     Raises:
-        ApiError: 413 with code ``request_too_large``.
+        ApiError: 413 with code ``request_too_large``; 408 with code ``request_timeout`` and
+            ``Connection: close`` (the server then drops the connection, the rest of the body unread).
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
+    try:
+        return await asyncio.wait_for(_read_chunks(request, limit), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} seconds",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+
+
+async def _read_chunks(request: Request, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
@@ -254,9 +271,10 @@ class _EventStream(Response):
 class _Server:
     """The routes' shared state: the engine, its executor and the metrics."""
 
-    def __init__(self, engine: Engine, max_body_bytes: int) -> None:
+    def __init__(self, engine: Engine, max_body_bytes: int, body_timeout: float) -> None:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
         self.executor = ThreadPoolExecutor(max_workers=len(engine.pool.slots), thread_name_prefix="llama-cache-slot")
         self.metrics = ServerMetrics(
             caches=lambda: engine.tiers,
@@ -372,7 +390,7 @@ class _Server:
         try:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
-            raw = await read_body(request, self.max_body_bytes)
+            raw = await read_body(request, self.max_body_bytes, self.body_timeout)
         except ApiError as error:
             return self._answer(endpoint, _error_response(error))
         job = Job(started_at=started)
@@ -611,16 +629,25 @@ class _Refused(Exception):
         self.response = response
 
 
-def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_bytes: int | None = None
+               ) -> Starlette:
     """The Starlette app serving ``engine``; its lifespan's end closes the engine.
 
     Args:
         engine: what to serve (see :func:`load_engine`).
-        max_body_bytes: completion requests with a larger body are answered 413.
+        config: the request settings it reads: ``api_keys``, ``metrics_public``, ``cors_origins``
+            (:mod:`.access`), ``max_body_bytes`` and ``body_timeout``; None: the defaults (no key, no
+            CORS).
+        max_body_bytes: completion requests with a larger body are answered 413 (default:
+            ``config.max_body_bytes``).
 
-    The app owns its :class:`~.metrics.ServerMetrics` registry (``app.state.metrics``).
+    The app owns its :class:`~.metrics.ServerMetrics` registry (``app.state.metrics``); requests refused
+    for their key are counted there with status 401, under their route's path, or ``other`` for a path
+    the app does not serve (any path a client sends would otherwise become a label).
     """
-    server = _Server(engine, max_body_bytes)
+    settings = config if config is not None else ServerConfig()
+    server = _Server(engine, settings.max_body_bytes if max_body_bytes is None else max_body_bytes,
+                     settings.body_timeout)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)
@@ -635,14 +662,23 @@ def create_app(engine: Engine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) 
         finally:
             await server.shutdown()
 
+    routes = [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics_route, methods=["GET"]),
+    ]
+    endpoints = {route.path for route in routes}
+
+    def unauthorized(path: str) -> None:
+        server.metrics.requests.labels(path if path in endpoints else "other", "401").inc()
+
     app = Starlette(
-        routes=[
-            Route("/v1/chat/completions", server.chat, methods=["POST"]),
-            Route("/v1/completions", server.completions, methods=["POST"]),
-            Route("/v1/models", server.models, methods=["GET"]),
-            Route("/health", server.health, methods=["GET"]),
-            Route("/metrics", server.metrics_route, methods=["GET"]),
-        ],
+        routes=routes,
+        middleware=access_middleware(
+            api_keys=settings.api_keys, cors_origins=settings.cors_origins, on_refused=unauthorized,
+            public_paths=("/health", "/metrics") if settings.metrics_public else ("/health",)),
         exception_handlers={_Refused: refused},
         lifespan=lifespan,
     )

@@ -2,23 +2,36 @@
 
 An option given on the command line wins over its environment variable, which wins over the default.
 This module imports neither the model nor the web stack, so the CLI stays quick to start.
+
+Secrets (API keys, a Redis URL's password) may come from a file or the environment rather than the
+command line, which every user of the machine can read (``ps``); they never appear in
+:class:`ServerConfig`'s ``repr`` nor in an error message of this module.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ServerConfig", "add_serve_command", "config_from_args", "on_off", "physical_cores"]
+from llama_cache.caches.redis_tier import redact_url
+
+__all__ = ["ServerConfig", "add_serve_command", "comma_list", "config_from_args", "on_off", "physical_cores"]
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CACHE_RAM = 2 << 30
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_MESSAGES = 1024
+# llama-server's default slot count.
+DEFAULT_PARALLEL = 4
+DEFAULT_BODY_TIMEOUT = 30.0
+# What a browser sends as Origin: scheme://host[:port], no path (a trailing slash never matches).
+_ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+")
 # llama-cpp-python's default batch, and llama-server's physical batch (its logical batch of 2048 buys
 # nothing on the CPU backend, and would size llama-cpp-python's logits buffer for 2048 rows).
 N_BATCH = 512
@@ -56,6 +69,11 @@ def on_off(text: str) -> bool:
     raise ValueError(f"expected on or off, got {text!r}")
 
 
+def comma_list(text: str) -> tuple[str, ...]:
+    """``a, b,c`` as ``("a", "b", "c")``: items stripped, empty ones dropped."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """What ``llama-cache serve`` runs.
@@ -81,13 +99,28 @@ class ServerConfig:
         max_body_bytes: the largest request body accepted; a larger one is answered 413.
         max_messages: the most messages one chat request may hold; more are answered 400
             (``limit_exceeded``). The other limits on a request are in :mod:`.limits`.
+        body_timeout: seconds a request's whole body may take to arrive; a slower one is answered 408.
+        api_keys: the keys a request may present (``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``),
+            each of visible ASCII characters; empty: no key is asked for. ``/health`` never asks.
+        metrics_public: ``/metrics`` answers without a key when keys are set.
+        cors_origins: the origins (``scheme://host[:port]``, or ``*`` for any) whose pages a browser
+            lets call the API; empty: no CORS headers, browsers allow only same-origin pages.
+        ssl_keyfile, ssl_certfile: a PEM private key and certificate chain to serve HTTPS with; both
+            or neither.
+
+    ``repr`` shows how many API keys there are, never a key, and the Redis URL without its password.
+
+    Raises:
+        ValueError: a setting is out of range, an API key or origin malformed, only one of the TLS
+            files given or one of them missing.
+        TypeError: ``api_keys`` or ``cors_origins`` given as one string rather than a sequence.
     """
 
     model_path: Path | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     n_ctx: int = DEFAULT_N_CTX
-    parallel: int = 1
+    parallel: int = DEFAULT_PARALLEL
     cache_ram: int = DEFAULT_CACHE_RAM
     cache_dir: Path | None = None
     cache_disk: int = DEFAULT_CACHE_RAM
@@ -100,6 +133,12 @@ class ServerConfig:
     flash_attn: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    api_keys: tuple[str, ...] = ()
+    metrics_public: bool = False
+    cors_origins: tuple[str, ...] = ()
+    ssl_keyfile: Path | None = None
+    ssl_certfile: Path | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -120,6 +159,40 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_messages < 1:
             raise ValueError(f"max_messages must be positive, got {self.max_messages}")
+        if not (math.isfinite(self.body_timeout) and self.body_timeout > 0):
+            raise ValueError(f"body_timeout must be a positive number of seconds, got {self.body_timeout}")
+        for name in ("api_keys", "cors_origins"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise TypeError(f"{name} is a sequence of strings, not one string")
+            object.__setattr__(self, name, tuple(value))
+        for key in self.api_keys:  # the messages never quote a key
+            if not isinstance(key, str) or not key or not all("!" <= char <= "~" for char in key):
+                raise ValueError("an API key must be a non-empty string of visible ASCII characters "
+                                 "(no spaces or control characters)")
+        for origin in self.cors_origins:
+            if origin != "*" and not _ORIGIN.fullmatch(origin):
+                raise ValueError(f"a CORS origin is scheme://host[:port] (no path, no trailing slash) or *, "
+                                 f"got {origin!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: give both or neither")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name} {path} is not a file")
+
+    def __repr__(self) -> str:
+        shown = []
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.name == "api_keys":
+                text = f"<{len(value)} hidden>"
+            elif spec.name == "redis_url" and value is not None:
+                text = repr(redact_url(value))
+            else:
+                text = repr(value)
+            shown.append(f"{spec.name}={text}")
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     def context_options(self) -> dict[str, Any]:
         """The keyword arguments of each context's ``Llama`` besides the model: size, threads, batch."""
@@ -133,7 +206,8 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "host": ("LLAMA_CACHE_HOST", str, "address to listen on (default 127.0.0.1)"),
     "port": ("LLAMA_CACHE_PORT", int, "port to listen on (default 8000)"),
     "n_ctx": ("LLAMA_CACHE_N_CTX", int, f"tokens per context (default {DEFAULT_N_CTX})"),
-    "parallel": ("LLAMA_CACHE_PARALLEL", int, "contexts, i.e. requests served at once (default 1)"),
+    "parallel": ("LLAMA_CACHE_PARALLEL", int,
+                 f"contexts, i.e. requests served at once (default {DEFAULT_PARALLEL}, as llama-server)"),
     "cache_ram": ("LLAMA_CACHE_CACHE_RAM", int, "RAM prompt cache budget in bytes (default 2 GiB)"),
     "cache_dir": ("LLAMA_CACHE_CACHE_DIR", Path, "keep the prompt cache on disk in this directory"),
     "cache_disk": ("LLAMA_CACHE_CACHE_DISK", int, "disk prompt cache budget in bytes (default 2 GiB)"),
@@ -152,9 +226,24 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
                        f"(default {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),
     "max_messages": ("LLAMA_CACHE_MAX_MESSAGES", int,
                      f"most messages in one chat request; more get 400 (default {DEFAULT_MAX_MESSAGES})"),
+    "body_timeout": ("LLAMA_CACHE_BODY_TIMEOUT", float,
+                     f"seconds a request body may take to arrive; slower ones get 408 "
+                     f"(default {DEFAULT_BODY_TIMEOUT:g})"),
+    # A flag on the command line (bool), on or off in the environment.
+    "metrics_public": ("LLAMA_CACHE_METRICS_PUBLIC", bool, "serve /metrics without a key when keys are set"),
+    "cors_origins": ("LLAMA_CACHE_CORS_ORIGINS", comma_list,
+                     "origins whose pages browsers may let call the API, comma-separated, or * for any "
+                     "(default: none)"),
+    "ssl_keyfile": ("LLAMA_CACHE_SSL_KEYFILE", Path, "serve HTTPS with this PEM private key (and --ssl-certfile)"),
+    "ssl_certfile": ("LLAMA_CACHE_SSL_CERTFILE", Path,
+                     "serve HTTPS with this PEM certificate chain (and --ssl-keyfile)"),
 }
 # Other spellings of an option: llama-server's name for the thread count.
 _ALIASES = {"n_threads": ["--threads"], "redis_url": ["--redis"]}
+# Read by config_from_args itself: secrets, which the command line is a poor place for.
+_API_KEY_ENV = "LLAMA_CACHE_API_KEY"
+_API_KEY_FILE_ENV = "LLAMA_CACHE_API_KEY_FILE"
+_REDIS_URL_FILE_ENV = "LLAMA_CACHE_REDIS_URL_FILE"
 
 
 def add_serve_command(commands: argparse._SubParsersAction, parents: list[argparse.ArgumentParser]
@@ -169,8 +258,21 @@ def add_serve_command(commands: argparse._SubParsersAction, parents: list[argpar
         "reads an environment variable, named in its help.",
     )
     for name, (env, kind, text) in _OPTIONS.items():
-        serve.add_argument(*_ALIASES.get(name, []), "--" + name.replace("_", "-"), dest=name, type=kind,
-                           default=None, help=f"{text}; ${env}")
+        flags = [*_ALIASES.get(name, []), "--" + name.replace("_", "-")]
+        if kind is bool:
+            serve.add_argument(*flags, dest=name, action="store_const", const=True, default=None,
+                               help=f"{text}; ${env} (on or off)")
+        else:
+            serve.add_argument(*flags, dest=name, type=kind, default=None, help=f"{text}; ${env}")
+    serve.add_argument("--api-key", dest="api_key", action="append", default=None, metavar="KEY",
+                       help="ask every request but /health for this key, as 'Authorization: Bearer KEY' or "
+                       "'X-Api-Key: KEY'; repeatable. The command line is visible to every user (ps): prefer "
+                       f"--api-key-file or ${_API_KEY_ENV} (comma-separated keys)")
+    serve.add_argument("--api-key-file", dest="api_key_file", type=Path, default=None, metavar="PATH",
+                       help="also accept the keys in this file, one a line (blank lines and lines starting "
+                       f"with # are skipped); ${_API_KEY_FILE_ENV}")
+    serve.add_argument("--redis-url-file", dest="redis_url_file", type=Path, default=None, metavar="PATH",
+                       help=f"read the Redis URL (--redis), password included, from this file; ${_REDIS_URL_FILE_ENV}")
     return serve
 
 
@@ -185,14 +287,79 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
     for name, (env, kind, _) in _OPTIONS.items():
         value = getattr(args, name, None)
         if value is None and environ.get(env):
+            parse = on_off if kind is bool else kind
             try:
-                value = kind(environ[env])
+                value = parse(environ[env])
             except ValueError:
-                expected = "on or off" if kind is on_off else f"a {kind.__name__}"
+                expected = "on or off" if parse is on_off else f"a {kind.__name__}"
                 raise ValueError(f"${env} must be {expected}, got {environ[env]!r}") from None
         if value is not None:
             values[name] = value
+    values["api_keys"] = _api_keys(args, environ)
+    url_file = getattr(args, "redis_url_file", None)
+    if url_file is not None:
+        if getattr(args, "redis_url", None) is not None:
+            raise ValueError("give --redis or --redis-url-file, not both")
+        values["redis_url"] = _read_redis_url(url_file)
+    elif getattr(args, "redis_url", None) is None and environ.get(_REDIS_URL_FILE_ENV):
+        if environ.get(_OPTIONS["redis_url"][0]):
+            raise ValueError(f"give ${_OPTIONS['redis_url'][0]} or ${_REDIS_URL_FILE_ENV}, not both")
+        values["redis_url"] = _read_redis_url(Path(environ[_REDIS_URL_FILE_ENV]))
     model = getattr(args, "model", None)
     if model is None and environ.get("LLAMA_CACHE_MODEL"):
         model = Path(environ["LLAMA_CACHE_MODEL"])
     return ServerConfig(model_path=model, **values)  # type: ignore[arg-type]
+
+
+def _api_keys(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys given directly (``--api-key``, else ``$LLAMA_CACHE_API_KEY``) plus those of the key file
+    (``--api-key-file``, else ``$LLAMA_CACHE_API_KEY_FILE``), each once.
+
+    Raises:
+        ValueError: the variable holds only commas, or the file cannot be read or holds no key.
+    """
+    keys = list(getattr(args, "api_key", None) or [])
+    if not keys and environ.get(_API_KEY_ENV):
+        keys = list(comma_list(environ[_API_KEY_ENV]))
+        if not keys:
+            raise ValueError(f"${_API_KEY_ENV} holds no key")
+    path = getattr(args, "api_key_file", None)
+    if path is None and environ.get(_API_KEY_FILE_ENV):
+        path = Path(environ[_API_KEY_FILE_ENV])
+    if path is not None:
+        lines = _secret_lines(path, "API key file")
+        if not lines:
+            raise ValueError(f"the API key file {path} holds no key")
+        for number, line in lines:  # the message names the line, never its text
+            if any(char.isspace() for char in line):
+                raise ValueError(f"line {number} of the API key file {path} is not one key: it holds a space")
+        keys += [line for _, line in lines]
+    return tuple(dict.fromkeys(keys))
+
+
+def _read_redis_url(path: Path) -> str:
+    """The one URL in ``path``.
+
+    Raises:
+        ValueError: the file cannot be read, or does not hold exactly one non-comment line.
+    """
+    lines = _secret_lines(path, "Redis URL file")
+    if len(lines) != 1:
+        raise ValueError(f"the Redis URL file {path} must hold one URL on one line, not {len(lines)} lines")
+    return lines[0][1]
+
+
+def _secret_lines(path: Path, what: str) -> list[tuple[int, str]]:
+    """``path``'s lines (number, text) stripped, but for blank ones and those starting with ``#``.
+
+    Raises:
+        ValueError: the file cannot be read or is not UTF-8 text.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as error:
+        raise ValueError(f"cannot read the {what} {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"the {what} {path} is not UTF-8 text") from None
+    stripped = ((number, line.strip()) for number, line in enumerate(text.splitlines(), start=1))
+    return [(number, line) for number, line in stripped if line and not line.startswith("#")]

@@ -4,7 +4,8 @@ Names follow Prometheus's conventions (``_total`` counters, ``_seconds`` histogr
 the ``llama_cache_`` prefix. Request metrics are counted as requests finish; cache, queue and slot
 figures are read when ``/metrics`` is scraped, from ``cache.stats()`` and the slot pool::
 
-    llama_cache_requests_total{endpoint, status}        requests answered, by route and HTTP status
+    llama_cache_requests_total{endpoint, status}        requests answered, by route and HTTP status (a
+                                                        path no route serves, refused for its key: "other")
     llama_cache_time_to_first_token_seconds{endpoint}   arrival to first sampled token (queueing included)
     llama_cache_prompt_tokens_total                     prompt tokens requested
     llama_cache_prompt_tokens_cached_total              of those, not evaluated: reused from the context's
