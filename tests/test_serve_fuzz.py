@@ -80,12 +80,13 @@ _tool = st.one_of(
               _names, _schema),
     _json,
 )
-_message = st.one_of(
-    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
-                           "content": st.text(max_size=200)}),
-    _json,
-)
-_sampling = st.fixed_dictionaries({}, optional={
+_valid_sampling = st.fixed_dictionaries({"max_tokens": st.integers(1, 4)}, optional={
+    "temperature": st.floats(0, 2), "top_p": st.floats(0, 1), "top_k": st.integers(0, 100),
+    "seed": st.integers(0, 1 << 32), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
+    "stream": st.booleans(), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+})
+_any_sampling = st.fixed_dictionaries({}, optional={
     "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), _json_leaf),
     "top_p": st.floats(0, 1), "top_k": st.one_of(st.integers(-5, 60_000), st.just(1 << 63)),
     "seed": st.integers(-(1 << 64), 1 << 64), "max_tokens": st.one_of(st.integers(-2, 6), st.none(), _json_leaf),
@@ -97,11 +98,15 @@ _sampling = st.fixed_dictionaries({}, optional={
     "model": st.one_of(st.text(max_size=10), _json_leaf),
     "response_format": st.one_of(st.just({"type": "json_object"}), _json),
 })
+_valid_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
+                                        "content": st.text(max_size=200)})
 
 
-def _chat_body(draw: st.DrawFn) -> dict[str, Any]:
-    body = draw(_sampling)
-    body["messages"] = draw(st.one_of(st.lists(_message, min_size=1, max_size=4), _json))
+def _chat_body(draw: st.DrawFn, valid: bool) -> dict[str, Any]:
+    body = draw(_valid_sampling if valid else _any_sampling)
+    message = _valid_message if valid else st.one_of(_valid_message, _json)
+    body["messages"] = draw(st.lists(message, min_size=1, max_size=4) if valid else st.one_of(
+        st.lists(message, min_size=1, max_size=4), _json))
     if draw(st.booleans()):
         tools = draw(st.lists(_tool, min_size=1, max_size=2))
         body["tools"] = tools
@@ -112,10 +117,14 @@ def _chat_body(draw: st.DrawFn) -> dict[str, Any]:
     return body
 
 
-def _completion_body(draw: st.DrawFn) -> dict[str, Any]:
-    body = draw(_sampling)
-    body["prompt"] = draw(st.one_of(st.text(max_size=300), st.lists(st.integers(-5, 60_000), max_size=20), _json))
-    body["echo"] = draw(st.one_of(st.none(), st.booleans()))
+def _completion_body(draw: st.DrawFn, valid: bool) -> dict[str, Any]:
+    body = draw(_valid_sampling if valid else _any_sampling)
+    body["prompt"] = draw(st.one_of(st.text(min_size=1, max_size=300), st.lists(st.integers(0, 49151), min_size=1,
+                                                                               max_size=20))
+                          if valid else st.one_of(st.text(max_size=300), st.lists(st.integers(-5, 60_000), max_size=20),
+                                                  _json))
+    if not valid:
+        body["echo"] = draw(st.one_of(st.none(), st.booleans()))
     return body
 
 
@@ -123,14 +132,15 @@ def _completion_body(draw: st.DrawFn) -> dict[str, Any]:
 def _requests(draw: st.DrawFn) -> tuple[str, bytes, bool]:
     """(path, body bytes, whether the client leaves at once)."""
     path = draw(st.sampled_from([_CHAT, _COMPLETIONS]))
-    kind = draw(st.sampled_from(["valid", "valid", "valid", "bytes", "json"]))
+    kind = draw(st.sampled_from(["valid", "valid", "hostile", "hostile", "bytes", "json"]))
     if kind == "bytes":
         raw = draw(st.one_of(st.binary(max_size=200), st.just(b'{"prompt": ' + b"[" * 5000),
                              st.just(b'{"prompt": 1' + b"0" * 5000 + b"}")))
     elif kind == "json":
         raw = json.dumps(draw(_json)).encode()
     else:
-        body = _chat_body(draw) if path == _CHAT else _completion_body(draw)
+        valid = kind == "valid"
+        body = _chat_body(draw, valid) if path == _CHAT else _completion_body(draw, valid)
         # Keep most generations short; the rest bounded by the context.
         if draw(st.integers(0, 9)) and isinstance(body.get("max_tokens"), int):
             body["max_tokens"] = min(body["max_tokens"], 4)

@@ -43,7 +43,7 @@ def server() -> Iterator[LiveServer]:
 def _post(server: LiveServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
-                      timeout=60, **kwargs)
+                      timeout=120, **kwargs)
 
 
 def _schema_tool(schema: Any) -> dict[str, Any]:
