@@ -25,7 +25,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from llama_cache.server.protocol import ApiError
+from llama_cache.server.errors import ApiError
 
 __all__ = ["ApiKeyMiddleware", "access_middleware", "is_loopback"]
 
