@@ -1,8 +1,13 @@
 """``llama-cache serve``: an OpenAI-compatible HTTP server whose contexts share one prompt cache.
 
+A request passes, in order: :mod:`.access` (API keys, CORS) -> :mod:`.limits` (what it may cost,
+checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (routing) -> a context.
+
 - :mod:`.config`: settings from options and environment variables.
+- :mod:`.errors`: the error a request is refused with (OpenAI's error body).
 - :mod:`.access`: API keys and CORS, before any route.
-- :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
+- :mod:`.limits`: the bounds on one request's cost, and the checks that enforce them.
+- :mod:`.protocol`: request validation.
 - :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
 - :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
 - :mod:`.compute`: the one thread on which every context evaluates, in rounds.
