@@ -53,6 +53,9 @@ Prints a table and writes ``benchmarks/results/serve.json``::
         [--rounds R] [--threads N] [--flash-attn on|off] [--with-api-key]
     tools/run python benchmarks/serve.py --users 2 --turns 2 --concurrency 1   # a quick sanity check
     tools/run python benchmarks/serve.py --servers llama-cache --with-api-key --rounds 5   # the key's cost
+
+``--scenario noisy`` runs ``benchmarks/serve_noisy.py`` instead (normal requests' latency beside clients
+sending the worst requests the limits accept; see its docstring), with its own options.
 """
 
 from __future__ import annotations
@@ -371,7 +374,14 @@ def llama_server_version(llama_server: Path | None) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    scenario = argparse.ArgumentParser(add_help=False)
+    scenario.add_argument("--scenario", choices=("workload", "noisy"), default="workload")
+    chosen, rest = scenario.parse_known_args(argv)
+    if chosen.scenario == "noisy":
+        from benchmarks import serve_noisy
+
+        return serve_noisy.main(rest)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[scenario])
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--with-api-key", action="store_true",
                         help="also run llama-cache with --api-key (llama-cache-key), every request carrying it")
