@@ -652,11 +652,12 @@ def _table(results: dict[str, Any]) -> str:
     for name, phases in results["summary"].items():
         for kind, counts in phases["attack"]["attacks"].items():
             lines.append(f"  {name:<13} {kind:<14} " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
-    lines.append("targets (ratios of medians, '>' a lower bound, '<' an upper bound, 'failed': the server died "
-                 f"or more than {FAILED_SHARE:.0%} of the normal requests failed; verdict on the p95s):")
+    lines.append("targets (ratios of medians, '>' a lower bound, '<' an upper bound, '~' neither, 'failed': the "
+                 f"server died or more than {FAILED_SHARE:.0%} of the normal requests failed; verdict on the p95s):")
     for key, t in results["targets"].items():
         r = {k: "failed" if "failed" in t["states"][k] else "-" if v is None else
-             (">" if t["states"][k][0] == "lower" else "<" if t["states"][k][1] == "lower" else "") + s(v)
+             {("lower", "lower"): "~", ("lower", "exact"): ">", ("exact", "lower"): "<"}.get(
+                 tuple(t["states"][k]), "") + s(v)
              for k, v in t["ratios"].items()}
         lines.append(f"  {key:<29} TTFT p50 {r['ttft_p50']} p95 {r['ttft_p95']}, total p50 "
                      f"{r['total_p50']} p95 {r['total_p95']}"
