@@ -20,8 +20,12 @@ Servers, each started as a subprocess on a free port:
   (outside the repository) from the llama.cpp sources vendored in llama-cpp-python's sdist::
 
       pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
-      cd llama_cpp_python-0.3.36 && cmake -B build vendor/llama.cpp -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
-      nice -n 19 cmake --build build --target llama-server -j1
+      cd llama_cpp_python-0.3.36 && cmake -B build vendor/llama.cpp -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+          -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+      nice -n 19 cmake --build build --target llama-server -j2
+      mkdir -p ~/.cache/llama-cache/llama-server && cp build/bin/llama-server ~/.cache/llama-cache/llama-server/
+
+  (``BUILD_SHARED_LIBS=OFF``: one self-contained binary, llama.cpp and ggml linked in.)
 
 Like is compared with like: every server but ``llama-cpp-python-defaults`` gets the same model,
 context size per request (``--n-ctx``;
@@ -37,19 +41,31 @@ The runs are interleaved (every server at one concurrency, then the next concurr
 round: ``--rounds``), so that a slow spell of a shared machine falls on every server alike; the table
 shows each measure's median over the rounds, then the issue's targets as ratios of those medians.
 
+``--with-api-key`` adds ``llama-cache-key``: ours started with ``--api-key`` (a random key), every
+request carrying ``Authorization: Bearer``, run right after ``llama-cache`` (the two take turns going
+first from round to round); the targets then give its times over ours without a key (at most 1.01x: key
+checking and limits cost at most 1%). It is skipped with a message when this checkout's ``llama-cache
+serve`` has no ``--api-key``.
+
 Prints a table and writes ``benchmarks/results/serve.json``::
 
     tools/run python benchmarks/serve.py [--servers llama-cache,llama-server,llama-cpp-python,...]
-        [--rounds R] [--threads N] [--flash-attn on|off]
+        [--rounds R] [--threads N] [--flash-attn on|off] [--with-api-key]
     tools/run python benchmarks/serve.py --users 2 --turns 2 --concurrency 1   # a quick sanity check
+    tools/run python benchmarks/serve.py --servers llama-cache --with-api-key --rounds 5   # the key's cost
+
+``--scenario noisy`` runs ``benchmarks/serve_noisy.py`` instead (normal requests' latency beside clients
+sending the worst requests the limits accept; see its docstring), with its own options.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import statistics
@@ -158,7 +174,8 @@ def _ask(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tok
     return "".join(parts), (first or end) - start, end - start, done
 
 
-def run_workload(url: str, workload: Workload, concurrency: int) -> dict[str, Any]:
+def run_workload(url: str, workload: Workload, concurrency: int,
+                 headers: dict[str, str] | None = None) -> dict[str, Any]:
     users = [
         Conversation([{"role": "system", "content": workload.system},
                       {"role": "user", "content": f"Document:\n{doc}\n\n{QUESTIONS[0]}"}])
@@ -176,7 +193,7 @@ def run_workload(url: str, workload: Workload, concurrency: int) -> dict[str, An
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     if concurrency == 1:
-        with httpx.Client() as client:
+        with httpx.Client(headers=headers) as client:
             for number in range(workload.turns):
                 for index in range(len(users)):
                     turn(client, index, number)
@@ -186,7 +203,7 @@ def run_workload(url: str, workload: Workload, concurrency: int) -> dict[str, An
 
         def user(index: int) -> None:
             try:
-                with httpx.Client() as client:
+                with httpx.Client(headers=headers) as client:
                     for number in range(workload.turns):
                         with gate:
                             turn(client, index, number)
@@ -231,7 +248,9 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 @contextmanager
-def _server(command: list[str], port: int, env: dict[str, str], log: Path) -> Iterator[str]:
+def _server(command: list[str], port: int, env: dict[str, str], log: Path,
+            headers: dict[str, str] | None = None) -> Iterator[str]:
+    """The server's URL once ``/v1/models`` answers 200 (asked with ``headers``); SIGTERM at the end."""
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as sink:
         process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -241,7 +260,7 @@ def _server(command: list[str], port: int, env: dict[str, str], log: Path) -> It
             if process.poll() is not None:
                 raise RuntimeError(f"{command[0]} exited with {process.returncode}; see {log}")
             try:
-                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                if httpx.get(url + "/v1/models", headers=headers, timeout=5).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
@@ -269,12 +288,15 @@ class Settings:
     n_batch: int = N_BATCH
 
 
-def _commands(name: str, model: Path, settings: Settings, port: int, llama_server: Path | None) -> list[str] | None:
+def _commands(name: str, model: Path, settings: Settings, port: int, llama_server: Path | None,
+              api_key: str | None = None) -> list[str] | None:
+    """The command starting server ``name``; ``api_key``: given to the servers that take one (``*-key``)."""
     s = settings
-    if name == "llama-cache":
+    if name in ("llama-cache", "llama-cache-key"):
+        key = ["--api-key", api_key] if name == "llama-cache-key" and api_key else []
         return [sys.executable, "-m", "llama_cache.cli", "serve", "--model", str(model), "--port", str(port),
                 "--n-ctx", str(s.n_ctx), "--parallel", str(s.parallel), "--threads", str(s.threads),
-                "--flash-attn", "on" if s.flash_attn else "off"]  # batch: always N_BATCH
+                "--flash-attn", "on" if s.flash_attn else "off", *key]  # batch: always N_BATCH
     if name == "llama-cpp-python":
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
                 "--n_ctx", str(s.n_ctx), "--cache", "true", "--n_threads", str(s.threads),
@@ -293,12 +315,12 @@ def _commands(name: str, model: Path, settings: Settings, port: int, llama_serve
     raise ValueError(name)
 
 
-def _cache_metrics(url: str) -> dict[str, float] | None:
+def _cache_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float] | None:
     """llama-cache's own counters after a run (prompt tokens requested and not evaluated, cache hits)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        response = httpx.get(url + "/metrics", timeout=30)
+        response = httpx.get(url + "/metrics", headers=headers, timeout=30)
     except httpx.TransportError:
         return None
     if response.status_code != 200 or "llama_cache_prompt_tokens_total" not in response.text:
@@ -314,9 +336,55 @@ def _find_llama_server() -> Path | None:
     return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
 
 
+def _serve_takes_api_key(env: dict[str, str]) -> bool:
+    """Whether this checkout's ``llama-cache serve`` has ``--api-key`` (its help says so; nothing is loaded)."""
+    done = subprocess.run([sys.executable, "-m", "llama_cache.cli", "serve", "--help"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    return "--api-key" in done.stdout
+
+
+def machine() -> dict[str, Any]:
+    """The CPU model, logical and physical cores, memory, load and software versions of this run."""
+    import platform
+
+    import llama_cpp
+
+    cpu = "unknown"
+    memory = None
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+        memory = next((int(line.split()[1]) << 10 for line in Path("/proc/meminfo").read_text().splitlines()
+                       if line.startswith("MemTotal:")), None)
+    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": physical_cores(), "memory_bytes": memory,
+            "platform": platform.platform(), "python": platform.python_version(),
+            "llama_cpp_python": llama_cpp.__version__, "llama_cache_commit": commit or None,
+            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def llama_server_version(llama_server: Path | None) -> str | None:
+    """``llama-server --version``'s line naming its build (its llama.cpp commit), or None."""
+    if llama_server is None:
+        return None
+    done = subprocess.run([str(llama_server), "--version"], capture_output=True, text=True, timeout=60)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")]
+    return lines[0] if lines else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    scenario = argparse.ArgumentParser(add_help=False)
+    scenario.add_argument("--scenario", choices=("workload", "noisy"), default="workload")
+    chosen, rest = scenario.parse_known_args(argv)
+    if chosen.scenario == "noisy":
+        from benchmarks import serve_noisy
+
+        return serve_noisy.main(rest)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[scenario])
     parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--with-api-key", action="store_true",
+                        help="also run llama-cache with --api-key (llama-cache-key), every request carrying it")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every server this many times, interleaved; the table shows medians")
@@ -340,19 +408,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama-server: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "
               f"{DEFAULT_LLAMA_SERVER}; see this script's docstring)", file=sys.stderr)
         names.remove("llama-server")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    api_key = secrets.token_urlsafe(24) if args.with_api_key else None
+    if api_key and "llama-cache-key" not in names:
+        if not _serve_takes_api_key(env):
+            print("llama-cache-key: skipped: this checkout's llama-cache serve has no --api-key", file=sys.stderr)
+        else:  # right after llama-cache: the two take turns going first (see below)
+            names.insert(names.index("llama-cache") + 1 if "llama-cache" in names else 0, "llama-cache-key")
     settings = Settings(args.n_ctx, args.parallel, args.threads, args.flash_attn)
     results: dict[str, Any] = {"model": model.name, "n_ctx": args.n_ctx, "parallel": args.parallel,
                                "threads": settings.threads, "n_batch": settings.n_batch,
                                "n_ubatch": settings.n_batch, "flash_attn": settings.flash_attn,
                                "users": args.users, "turns": args.turns, "max_tokens": args.max_tokens,
-                               "rounds": args.rounds, "servers": {}}
+                               "rounds": args.rounds, "machine": machine(),
+                               "llama_server_version": llama_server_version(llama_server), "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
     # Interleaved (round, level, server): a slow spell of this shared machine hits every server alike.
     for round_number in range(args.rounds):
+        order = list(names)
+        if round_number % 2 and "llama-cache-key" in order and "llama-cache" in order:
+            # ours with and without a key differ by about 1%: neither always runs first.
+            i, j = order.index("llama-cache"), order.index("llama-cache-key")
+            order[i], order[j] = order[j], order[i]
         for concurrency in levels:
-            for name in names:
-                command = _commands(name, model, settings, _free_port(), llama_server)
+            for name in order:
+                command = _commands(name, model, settings, _free_port(), llama_server, api_key)
                 assert command is not None
                 port = int(command[command.index("--port") + 1])
                 workload = Workload.make(args.users, args.turns, args.max_tokens, args.system_words,
@@ -360,11 +440,13 @@ def main(argv: list[str] | None = None) -> int:
                 log = args.out.parent / f"serve-{name}-c{concurrency}.log"
                 print(f"round {round_number + 1}/{args.rounds}: {name}, concurrency {concurrency}...",
                       file=sys.stderr, flush=True)
-                results.setdefault("commands", {})[name] = command  # the last run's (ports differ)
+                # The last run's (ports differ); the key is a fresh random one per run.
+                results.setdefault("commands", {})[name] = [c if c != api_key else "KEY" for c in command]
                 # A fresh server per run: no run starts with another's cache.
-                with _server(command, port, env, log) as url:
-                    row = run_workload(url, workload, concurrency)
-                    row["server_metrics"] = _cache_metrics(url)
+                headers = {"Authorization": f"Bearer {api_key}"} if name.endswith("-key") else None
+                with _server(command, port, env, log, headers) as url:
+                    row = run_workload(url, workload, concurrency, headers)
+                    row["server_metrics"] = _cache_metrics(url, headers)
                 row["round"] = round_number
                 results["servers"].setdefault(name, []).append(row)
     results["summary"] = _summary(results)
@@ -377,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 SERVERS = ("llama-cache", "llama-server", "llama-cpp-python", "llama-cpp-python-defaults")
+# Ours with --api-key over ours without (--with-api-key): key checking and limits cost at most 1%.
+KEY_COST_TARGET = 1.01
 _SUMMARISED = ("ttft_first_p50", "ttft_first_p95", "ttft_later_p50", "ttft_later_p95", "whole_run_s",
                "interrupted_streams")
 
@@ -399,7 +483,8 @@ def _targets(summary: dict[str, Any]) -> dict[str, dict[str, float | None]]:
 
     ``later_vs_llama_server`` (target at most 1.0) and ``whole_vs_llama_server`` (at most 1.1) are our
     time over theirs; ``later_speedup_over_*`` (at least 5) and ``whole_speedup_over_*`` (at least 2)
-    are their time over ours.
+    are their time over ours; ``key_later_vs_no_key`` and ``key_whole_vs_no_key`` (at most
+    :data:`KEY_COST_TARGET`) are ours with an API key over ours without.
     """
     ours = summary.get("llama-cache", {})
     targets: dict[str, dict[str, float | None]] = {}
@@ -413,6 +498,9 @@ def _targets(summary: dict[str, Any]) -> dict[str, dict[str, float | None]]:
             theirs = summary.get(other, {}).get(concurrency)
             ratios[f"later_speedup_over_{other}"] = _ratio(theirs and theirs["ttft_later_p50"], row["ttft_later_p50"])
             ratios[f"whole_speedup_over_{other}"] = _ratio(theirs and theirs["whole_run_s"], row["whole_run_s"])
+        keyed = summary.get("llama-cache-key", {}).get(concurrency)
+        ratios["key_later_vs_no_key"] = _ratio(keyed and keyed["ttft_later_p50"], row["ttft_later_p50"])
+        ratios["key_whole_vs_no_key"] = _ratio(keyed and keyed["whole_run_s"], row["whole_run_s"])
         targets[concurrency] = ratios
     return targets
 
@@ -434,6 +522,10 @@ def _targets_text(targets: dict[str, dict[str, float | None]]) -> str:
             f"{r(t['whole_vs_llama_server'])} llama-server's (<= 1.10x), "
             f"{r(t['whole_speedup_over_llama-cpp-python'])} faster than llama-cpp-python's (>= 2x; its defaults: "
             f"{r(t['whole_speedup_over_llama-cpp-python-defaults'])})")
+        if t["key_whole_vs_no_key"] is not None:
+            lines.append(f"  concurrency {concurrency}: with --api-key, whole run {r(t['key_whole_vs_no_key'])} and "
+                         f"later turns {r(t['key_later_vs_no_key'])} of ours without a key "
+                         f"(target <= {KEY_COST_TARGET:.2f}x)")
     return "\n".join(lines)
 
 
