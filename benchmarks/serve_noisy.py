@@ -120,18 +120,16 @@ class Limits:
     max_schema_bytes: int = 64 << 10
     max_schema_depth: int = 32
     max_enum_values: int = 4096
-    max_repetition: int = 4096  # maxLength, minItems, a pattern's {n,m}...
+    max_repetition: int = 100_000  # maxLength, minItems, a pattern's {n,m}...
     max_text_bytes_per_token: int = 0
 
     @classmethod
     def of_server(cls, max_token_bytes: int) -> Limits:
-        """The limits of this checkout's server: ``llama_cache.server.limits``'s constants named as these
-        fields in capitals, where that module has them; the values planned for it otherwise."""
-        try:
-            from llama_cache.server import limits as module  # type: ignore[attr-defined]
-        except ImportError:
-            module = None
-        values = {f.name: getattr(module, f.name.upper(), f.default) for f in dataclasses.fields(cls)}
+        """The limits of this checkout's server (``llama_cache.server.limits.RequestLimits``' defaults)."""
+        from llama_cache.server.limits import RequestLimits
+
+        server = RequestLimits()
+        values = {f.name: getattr(server, f.name, f.default) for f in dataclasses.fields(cls)}
         values["max_text_bytes_per_token"] = max_token_bytes
         return cls(**values)
 
