@@ -8,7 +8,13 @@ from collections.abc import Sequence
 
 import pytest
 
-from llama_cache.server.compute import FAIR_CHUNK_TOKENS, SHORT_TOKENS, ComputeThread, EvaluationCancelled
+from llama_cache.server.compute import (
+    FAIR_CHUNK_TOKENS,
+    GENERATING_CHUNK_TOKENS,
+    SHORT_TOKENS,
+    ComputeThread,
+    EvaluationCancelled,
+)
 
 
 class _Recorder:
@@ -76,9 +82,12 @@ def test_short_evaluations_go_between_the_chunks_of_a_long_one_and_the_oldest_pr
         compute.close()
     order = [(name, n) for name, n, _ in recorder.calls]
     # The first chunk is a whole batch (nothing waited when it started); the short ones go next; the
-    # oldest prompt is then read in fair chunks while the later one waits, and finished first.
+    # chunk right after them is small (contexts were generating), then the oldest prompt is read in fair
+    # chunks while the later one waits, and finished first.
     assert order[:3] == [("long", 512), ("short0", 1), ("short1", 1)]
-    assert order[3:] == [("long", FAIR_CHUNK_TOKENS), ("long", 1000 - 512 - FAIR_CHUNK_TOKENS), ("later", 300)]
+    rest = 1000 - 512 - GENERATING_CHUNK_TOKENS - FAIR_CHUNK_TOKENS
+    assert order[3:] == [("long", GENERATING_CHUNK_TOKENS), ("long", FAIR_CHUNK_TOKENS), ("long", rest),
+                         ("later", 300)]
 
 
 def test_what_is_left_of_a_long_evaluation_waits_with_the_short_ones() -> None:
@@ -192,9 +201,11 @@ def test_calls_run_on_the_compute_thread_in_turn_with_short_evaluations() -> Non
     finally:
         compute.close()
     assert results == [42]
-    assert [(name, n) for name, n, _ in recorder.calls] == [("prompt", 512), ("step", 1), ("copy", 0), ("prompt", 88)]
+    assert [(name, n) for name, n, _ in recorder.calls] == [("prompt", 512), ("step", 1), ("copy", 0),
+                                                                 ("prompt", GENERATING_CHUNK_TOKENS),
+                                                                 ("prompt", 88 - GENERATING_CHUNK_TOKENS)]
     assert {ident for _, _, ident in recorder.calls} == {compute._thread.ident}  # noqa: SLF001
-    assert compute.evaluations == 3 and compute.tokens == 601  # calls are not evaluations
+    assert compute.evaluations == 4 and compute.tokens == 601  # calls are not evaluations
 
 
 # ------------------------------------------------------------------ contexts lending heads to each other

@@ -11,9 +11,13 @@ context's evaluations run here, one at a time, each with all the threads it was 
 Scheduling, in rounds like ``llama-server``'s batches: a round serves every *short* evaluation waiting
 (a generated token, the new tokens of a conversation's next turn: at most :data:`SHORT_TOKENS`) once,
 then one chunk of the oldest *long* one (a prompt being read). A long evaluation is cut into chunks of
-at most the context's batch, or :data:`FAIR_CHUNK_TOKENS` while anything else waits, and keeps its
-place at the head of the long ones: the oldest prompt is read first (the earliest request gets its first
-token first) and no other context waits for more than one chunk.
+at most the context's batch, :data:`FAIR_CHUNK_TOKENS` while other prompts wait, and
+:data:`GENERATING_CHUNK_TOKENS` while contexts are generating (a short evaluation waits, or ran in
+this round), and keeps its place at the head of the long ones: the oldest prompt is read first (the
+earliest request gets its first token first) and no other context waits for more than one chunk. A
+generating context's next token thus waits for at most one small chunk of someone else's prompt,
+however long that prompt is: a client sending prompts that fill the context slows the others'
+generation by a bounded factor, at the price of reading those prompts in smaller (slower) batches.
 
 Copies of a context's state out and in (:meth:`ComputeThread.call`) run here too, in turn with the
 short evaluations: they are memory-bound work that, on another thread, takes a core from the evaluation
@@ -32,7 +36,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-__all__ = ["FAIR_CHUNK_TOKENS", "SHORT_TOKENS", "ComputeThread", "EvaluationCancelled"]
+__all__ = ["FAIR_CHUNK_TOKENS", "GENERATING_CHUNK_TOKENS", "SHORT_TOKENS", "ComputeThread", "EvaluationCancelled"]
 
 _T = TypeVar("_T")
 
@@ -41,6 +45,9 @@ SHORT_TOKENS = 64
 FAIR_CHUNK_TOKENS = 256
 """The chunk a long evaluation is cut into while other evaluations wait (reading a prompt in chunks of
 256 instead of 512 costs about 1.5% with the default model; 128 would cost 6%)."""
+GENERATING_CHUNK_TOKENS = 64
+"""The chunk a long evaluation is cut into while other contexts generate: each of their tokens waits for
+at most this many tokens of another context's prompt."""
 
 
 class EvaluationCancelled(Exception):
@@ -77,6 +84,7 @@ class ComputeThread:
         self._short: deque[_Evaluation] = deque()
         self._long: deque[_Evaluation] = deque()
         self._short_in_round = 0  # short evaluations the current round still serves before a long chunk
+        self._generating = False  # a short evaluation ran since the last long chunk or idle spell
         self._closed = False
         self.evaluations = 0
         self.tokens = 0
@@ -148,9 +156,11 @@ class ComputeThread:
     def _next(self) -> _Evaluation | None:
         with self._condition:
             while not (self._short or self._long or self._closed):
+                self._generating = False  # idle: nobody's tokens are waiting on a chunk
                 self._condition.wait()
             if self._short and (self._short_in_round > 0 or not self._long):
                 self._short_in_round = max(self._short_in_round - 1, 0)
+                self._generating = True
                 return self._short.popleft()
             if self._long:
                 return self._long.popleft()
@@ -163,13 +173,20 @@ class ComputeThread:
             except BaseException as error:  # noqa: BLE001 - the caller gets it; this thread serves on
                 job.future.set_exception(error)
 
+    def _chunk_limit(self, batch: int) -> int:
+        """The most tokens the next chunk of a long evaluation may have (see the module's docstring)."""
+        with self._condition:
+            if self._short or self._generating:
+                return GENERATING_CHUNK_TOKENS
+            return FAIR_CHUNK_TOKENS if self._long else batch
+
     def _step(self, job: _Evaluation) -> None:
         """Evaluate one slice of ``job``; put it back in line or complete its future."""
         remaining = len(job.tokens) - job.done
         was_long = remaining > SHORT_TOKENS
         if job.done > 0 and job.cancelled is not None and job.cancelled():
             raise EvaluationCancelled()
-        n = min(remaining, job.batch, FAIR_CHUNK_TOKENS if self.waiting else job.batch)
+        n = min(remaining, job.batch, self._chunk_limit(job.batch) if was_long else job.batch)
         job.evaluate(job.tokens[job.done : job.done + n])
         if job.counted:
             self.evaluations += 1
@@ -184,5 +201,6 @@ class ComputeThread:
                     self._long.appendleft(job)  # the oldest prompt goes on being read first
             if was_long:  # a round ends with a long chunk; the next serves every short one waiting
                 self._short_in_round = len(self._short)
+                self._generating = False
         if finished:
             job.future.set_result(None)
