@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,8 +104,9 @@ class ConstraintCompiler:
         n_vocab: the size of the model's logits rows (tokens past the vocabulary are never allowed).
         limits: the bounds every schema must fit.
 
-    Building one reads every token's text from llama.cpp (about 0.25 s for a 49,152-token vocabulary):
-    build one per model and share it. Thread-safe.
+    Building one reads every token's text from llama.cpp (0.3-1.3 s for a 49,152-token vocabulary), and
+    changes the process's warning filters meanwhile: build one per model, at start-up, and share it.
+    Using it is thread-safe.
     """
 
     def __init__(self, vocab: llama_cpp.llama_vocab_p, n_vocab: int, limits: ConstraintLimits | None = None) -> None:
@@ -116,7 +118,11 @@ class ConstraintCompiler:
         self.end_tokens = tuple(t for t in range(n_tokens) if llama_cpp.llama_vocab_is_eog(vocab, t))
         if not self.end_tokens or max(self.end_tokens) >= n_vocab:
             raise ValueError("the vocabulary has no end-of-generation token inside the logits rows")
-        self._tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(vocab, eos_token=list(self.end_tokens))
+        with warnings.catch_warnings():
+            # llguidance 1.9.1 reads token attributes with a call llama-cpp-python 0.3.36 deprecates (once
+            # per token); the replacement returns the same values.
+            warnings.filterwarnings("ignore", "llama_token_get_attr is deprecated", DeprecationWarning)
+            self._tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(vocab, eos_token=list(self.end_tokens))
         self._parser_limits = self.limits.parser_limits()
 
     @classmethod
