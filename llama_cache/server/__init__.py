@@ -8,6 +8,9 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.access`: API keys and CORS, before any route.
 - :mod:`.limits`: the bounds on one request's cost, and the checks that enforce them.
 - :mod:`.protocol`: request validation.
+- :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
+- :mod:`.constraints`: structured outputs (JSON schemas compiled on llguidance, enforced per sequence).
+- :mod:`.tool_calls`: a named function's answer in OpenAI's tool-call shapes.
 - :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
 - :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
 - :mod:`.compute`: the one thread on which every context evaluates, in rounds.

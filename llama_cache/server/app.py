@@ -13,7 +13,11 @@ event loop and the other requests' streams; the request waits for a slot in FIFO
 (:meth:`.SlotPool.acquire`); the completion runs in a worker thread (:func:`.slots.run_job`) on
 llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, so responses have
 llama-cpp-python's server's shapes; its evaluations run on the engine's one compute thread
-(:mod:`.compute`). A client that disconnects (while queued, generating or streaming)
+(:mod:`.compute`). A request for structured output (``response_format: {"type": "json_object"}``, a
+named ``tool_choice``) has its constraint compiled in a thread too, before it is queued
+(:mod:`.constraints`; a schema it refuses is a 400), and runs with it as the completion's logits
+processor, never with llama-cpp-python's grammar; a named function's answer is reshaped into a tool
+call (:mod:`.tool_calls`). A client that disconnects (while queued, generating or streaming)
 has its generation stopped at the next token. A stream ends with its last chunk, while the worker
 thread goes on to save the completion's state into the prompt cache (see :meth:`.SlotPool.answered`).
 The slot is released when its worker thread is done, never before, whatever happens to the request's
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
 import uvicorn
@@ -56,12 +61,14 @@ from llama_cache.caches.tiered import TieredCache
 from llama_cache.server.access import access_middleware
 from llama_cache.server.compute import ComputeThread
 from llama_cache.server.config import DEFAULT_BODY_TIMEOUT, ServerConfig
+from llama_cache.server.constraints import ConstraintCompiler, ConstraintError, SequenceConstraint
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.errors import ApiError
 from llama_cache.server.limits import PromptTextBound, RequestLimits, check_json_values, check_schema
 from llama_cache.server.protocol import (
     ChatRequest,
     CompletionRequest,
+    StructuredOutput,
     parse_chat_request,
     parse_completion_request,
     context_length_error,
@@ -75,6 +82,7 @@ from llama_cache.server.contexts import (
     prompt_tokens_for_chat,
 )
 from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, SlotPool, run_job
+from llama_cache.server.tool_calls import as_function_call, as_function_call_chunks
 
 __all__ = ["DrainingServer", "Engine", "create_app", "load_engine"]
 
@@ -90,7 +98,10 @@ CLIENT_CLOSED = 499
 
 @dataclass
 class Engine:
-    """What the app serves: the slots, their shared prompt cache, their compute thread and the model's name."""
+    """What the app serves: the slots, their shared prompt cache, their compute thread and the model's name.
+
+    ``constraints`` compiles the structured outputs requests ask for, for the model's vocabulary.
+    """
 
     pool: SlotPool
     compute: ComputeThread
@@ -102,6 +113,7 @@ class Engine:
     created: int
     limits: RequestLimits
     text_bound: PromptTextBound
+    constraints: ConstraintCompiler
     closed: bool = False
 
     def close(self) -> None:
@@ -149,6 +161,7 @@ def load_engine(config: ServerConfig) -> Engine:
             llama.use_compute(compute)
             llama.tokenized = tokenized
             slots.append(Slot(index=index, llama=llama))
+        constraints = ConstraintCompiler.for_llama(slots[0].llama)
     except BaseException:
         compute.close()
         for slot in slots:
@@ -169,6 +182,7 @@ def load_engine(config: ServerConfig) -> Engine:
         created=int(time.time()),
         limits=RequestLimits(max_messages=config.max_messages, max_prompt_bytes=text_bound.max_bytes),
         text_bound=text_bound,
+        constraints=constraints,
     )
 
 
@@ -375,15 +389,45 @@ class _Server:
             raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
         return parsed, tokens
 
-    def _call(self, parsed: CompletionRequest | ChatRequest, tokens: list[int]) -> Callable[[SlotLlama], Any]:
+    def _constraint(self, structured: StructuredOutput) -> SequenceConstraint:
+        """The compiled constraint of a request for structured output. Runs in a thread, before queueing.
+
+        Raises:
+            ApiError: 400 naming the field whose schema is refused.
+        """
+        try:
+            return self.engine.constraints.compile(structured.schema)
+        except ConstraintError as error:
+            raise ApiError(400, f"'{structured.param}': {error}", param=structured.param, code=error.code) from None
+
+    def _call(self, parsed: CompletionRequest | ChatRequest, tokens: list[int],
+              constraint: SequenceConstraint | None = None) -> Callable[[SlotLlama], Any]:
         model = parsed.model or self.engine.model_name
         if isinstance(parsed, CompletionRequest):
             # The tokens routed on are the tokens evaluated: the string is not tokenized twice.
             return lambda llama: llama.create_completion(
                 prompt=tokens, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model, **parsed.options)
-        return lambda llama: llama.create_chat_completion(
-            messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
-            **parsed.template_options, **parsed.options)
+        if constraint is None:
+            return lambda llama: llama.create_chat_completion(
+                messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
+                **parsed.template_options, **parsed.options)
+        structured = parsed.structured
+        assert structured is not None
+
+        def constrained(llama: SlotLlama) -> Any:
+            # No response_format and no named tool_choice reach the chat handler: it would build a GBNF
+            # grammar from them. The constraint is the logits processor instead.
+            result = llama.create_chat_completion(
+                messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
+                logits_processor=llama_cpp.LogitsProcessorList([constraint]),
+                **parsed.template_options, **parsed.options)
+            if structured.function is None:
+                return result
+            if parsed.stream:
+                return as_function_call_chunks(result, structured.function, legacy=structured.legacy)
+            return as_function_call(result, structured.function, legacy=structured.legacy)
+
+        return constrained
 
     async def _complete(self, request: Request, endpoint: str) -> Response:
         started = time.monotonic()
@@ -399,6 +443,9 @@ class _Server:
         try:
             try:
                 parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw, job)
+                constraint = None
+                if isinstance(parsed, ChatRequest) and parsed.structured is not None:
+                    constraint = await asyncio.to_thread(self._constraint, parsed.structured)
             except ApiError as error:
                 return self._answer(endpoint, _error_response(error))
             except RenderingCancelled:
@@ -409,7 +456,7 @@ class _Server:
                 self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
                 return Response(status_code=CLIENT_CLOSED)
             loop = asyncio.get_running_loop()
-            call = self._call(parsed, tokens)
+            call = self._call(parsed, tokens, constraint)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
                 self.streams.add(queue)

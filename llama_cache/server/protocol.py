@@ -11,12 +11,20 @@ the official client sends some that servers need not know.
 
 Sampling parameters are passed to ``llama_cpp.Llama.create_completion`` / ``create_chat_completion``
 under their llama-cpp-python names; the prompt is resolved to tokens later, by the slot pool.
+
+Tools (``tools`` / ``tool_choice``, and the legacy ``functions`` / ``function_call``) are checked
+here; what the answer must be (a JSON object for ``response_format: {"type": "json_object"}``, a named
+function's arguments for a named ``tool_choice``) becomes a :class:`StructuredOutput`, which the app
+compiles (:mod:`.constraints`) and enforces itself: such a request never reaches llama-cpp-python's
+grammar code, which builds a GBNF grammar from the schema (llama.cpp crashes on some and takes minutes
+on others). ``tool_choice: "required"`` is refused: nothing enforces it yet.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +37,10 @@ __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "parse_chat_request",
 # The OpenAI API allows at most 4 stop sequences.
 MAX_STOP_SEQUENCES = 4
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# OpenAI's rule for a function's name.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# The arguments of a function declared without ``parameters``: OpenAI's "empty parameter list".
+NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
@@ -46,13 +58,32 @@ class CompletionRequest:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a chat answer must be: a JSON object, or the arguments of one named function.
+
+    ``schema`` is the JSON schema the generated text follows (``{"type": "object"}`` for
+    ``json_object``); ``function`` names the function the answer calls (None: the JSON is the message's
+    content); ``legacy`` is true when it was asked for through ``functions`` / ``function_call`` (the
+    answer is then a ``function_call``, not ``tool_calls``); ``param`` is the request field the schema
+    came from, which an error about the schema names.
+    """
+
+    schema: dict[str, Any]
+    param: str
+    function: str | None = None
+    legacy: bool = False
+
+
 @dataclass
 class ChatRequest:
     """A validated ``POST /v1/chat/completions`` body.
 
     ``messages`` have plain-string contents (text parts joined); ``options`` holds the keyword
     arguments for ``create_chat_completion`` other than ``messages``, ``stream`` and ``max_tokens``;
-    ``template_options`` those that also shape the prompt (tools, functions).
+    ``template_options`` those that also shape the prompt (the tools or functions, and a
+    ``tool_choice`` / ``function_call`` of ``"none"`` or ``"auto"``: a named one is in ``structured``,
+    never passed on, so llama-cpp-python builds no grammar for it).
     """
 
     messages: list[dict[str, Any]]
@@ -61,6 +92,7 @@ class ChatRequest:
     model: str | None
     options: dict[str, Any] = field(default_factory=dict)
     template_options: dict[str, Any] = field(default_factory=dict)
+    structured: StructuredOutput | None = None
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -329,20 +361,96 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int, n_vocab: int, limits: R
             raise _type_error("top_logprobs", "an integer", top_logprobs)
         if top_logprobs:
             raise _unsupported("top_logprobs")
+    template_options, structured = _tools(body, limits)
     response_format = body.get("response_format")
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object"):
             raise _value_error("response_format", "must be {\"type\": \"text\"} or {\"type\": \"json_object\"}")
         if response_format["type"] == "json_object":
-            options["response_format"] = {"type": "json_object"}
-    template_options: dict[str, Any] = {}
-    for name, kinds in (("tools", list), ("tool_choice", (str, dict)), ("functions", list), ("function_call", (str, dict))):
-        value = body.get(name)
-        if value is not None:
-            if not isinstance(value, kinds):
-                raise _type_error(name, "a list" if kinds is list else "a string or an object", value)
-            if kinds is list and len(value) > limits.max_tools:
-                raise limit_error(name, f"holds {len(value)} entries; this server accepts at most {limits.max_tools}")
-            template_options[name] = value
+            if structured is not None:
+                raise _value_error("response_format", "cannot ask for a JSON object while a named function "
+                                   "is called (its arguments are JSON already)")
+            structured = StructuredOutput(schema={"type": "object"}, param="response_format")
     return ChatRequest(messages=messages, stream=stream, max_tokens=max_tokens, model=model, options=options,
-                       template_options=template_options)
+                       template_options=template_options, structured=structured)
+
+
+def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any], StructuredOutput | None]:
+    """``tools`` / ``tool_choice`` (or the legacy ``functions`` / ``function_call``), checked.
+
+    Returns:
+        The options that shape the prompt (the tools as sent, a ``"none"`` / ``"auto"`` choice), and
+        the structured output a named choice asks for (None otherwise).
+    """
+    legacy = body.get("functions") is not None or body.get("function_call") is not None
+    if legacy and (body.get("tools") is not None or body.get("tool_choice") is not None):
+        raise _value_error("functions", "cannot be combined with 'tools' (functions and function_call are "
+                           "the legacy form of tools and tool_choice)")
+    list_param, choice_param = ("functions", "function_call") if legacy else ("tools", "tool_choice")
+    declared = body.get(list_param)
+    if isinstance(declared, list) and len(declared) > limits.max_tools:
+        raise limit_error(list_param, f"holds {len(declared)} functions; this server accepts at most "
+                          f"{limits.max_tools}")
+    schemas = _function_schemas(list_param, declared, legacy) if declared is not None else {}
+    choice = body.get(choice_param)
+    options: dict[str, Any] = {list_param: declared} if schemas else {}
+    if choice is None:
+        return options, None
+    if choice == "required":
+        raise ApiError(400, f"'{choice_param}': \"required\" is not supported yet; name the function to "
+                       "call, or use \"auto\"", param=choice_param, code="unsupported_parameter")
+    if choice in ("none", "auto"):
+        if schemas:
+            options[choice_param] = choice
+        return options, None
+    if legacy:
+        name = choice.get("name") if isinstance(choice, dict) else None
+        shape = '"none", "auto" or {"name": ...}'
+    else:
+        function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        shape = '"none", "auto" or {"type": "function", "function": {"name": ...}}'
+    if not isinstance(name, str):
+        raise _value_error(choice_param, f"must be {shape}, got {_short(choice)}")
+    if name not in schemas:
+        raise _value_error(choice_param, f"names the function {_short(name)}, which '{list_param}' does not declare")
+    return options, StructuredOutput(schema=schemas[name], param=list_param, function=name, legacy=legacy)
+
+
+def _function_schemas(param: str, declared: object, legacy: bool) -> dict[str, dict[str, Any]]:
+    """Each declared function's name and the JSON schema of its arguments, in order.
+
+    ``tools`` items are ``{"type": "function", "function": {...}}``; ``functions`` items are the
+    function objects themselves: ``{"name", "description"?, "parameters"?, "strict"?}``.
+    """
+    shape = "a list of functions" if legacy else 'a list of {"type": "function", "function": {...}} objects'
+    if not isinstance(declared, list):
+        raise _type_error(param, shape, declared)
+    schemas: dict[str, dict[str, Any]] = {}
+    for index, item in enumerate(declared):
+        where = f"{param}[{index}]"
+        if legacy:
+            function = item
+        else:
+            if not isinstance(item, dict) or item.get("type") != "function" or "function" not in item:
+                raise _value_error(param, f"must be {shape}; item {index} is {_short(item)}")
+            function = item["function"]
+            where += ".function"
+        if not isinstance(function, dict):
+            raise _value_error(param, f"must be {shape}; {where} is {_short(function)}")
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise _value_error(param, f"{where}.name must be 1 to 64 letters, digits, '_' or '-', got {_short(name)}")
+        if name in schemas:
+            raise _value_error(param, f"declares the function {_short(name)} twice")
+        description = function.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _value_error(param, f"{where}.description must be a string, got {_short(description)}")
+        strict = function.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _value_error(param, f"{where}.strict must be a boolean, got {_short(strict)}")
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _value_error(param, f"{where}.parameters must be a JSON schema object, got {_short(parameters)}")
+        schemas[name] = parameters if parameters is not None else NO_PARAMETERS
+    return schemas

@@ -1,0 +1,285 @@
+"""Structured outputs: JSON schemas compiled with bounded cost and enforced per sequence, on llguidance.
+
+llama-cpp-python turns a JSON schema into a GBNF grammar (``LlamaGrammar.from_json_schema``) that
+llama.cpp's grammar sampler then runs; a schema as plain as ``{"type": "string", "maxLength": 100000}``
+crashes the process there, and an enum of 50,000 values takes minutes. This module uses llguidance
+instead, the engine llama.cpp, vLLM and SGLang use for structured outputs: a schema is compiled into a
+lexer and an Earley parser whose sizes and per-token work are bounded (:class:`ConstraintLimits`), and
+every limit reached is an error value, never a crash.
+
+As in llama.cpp's own schema converter, an object schema that lists ``properties`` and does not say
+``additionalProperties`` (nor ``patternProperties``) allows no others: JSON Schema would allow any, and
+a small model given that freedom tends to invent property after property until ``max_tokens``. Whitespace
+between JSON tokens is bounded to 20 characters per gap, for the same reason.
+
+- :class:`ConstraintCompiler`: one per model (its vocabulary, read once). :meth:`~ConstraintCompiler.compile`
+  turns a schema into a :class:`SequenceConstraint`, or refuses it with a :class:`ConstraintError`
+  naming the problem, before the request is queued: the grammar is built and its first token mask
+  computed then, so a schema too costly to start is refused, not discovered while generating.
+- :class:`SequenceConstraint`: the state of one generated sequence. It consumes the tokens sampled
+  since its previous call and masks the logits of every token the grammar does not allow (once the
+  grammar is complete, only end-of-generation tokens remain). It owns nothing of the context that
+  evaluates the sequence: llama-cpp-python's ``logits_processor`` hook calls it (``__call__``), and a
+  batched decoder can call :meth:`~SequenceConstraint.advance` and :meth:`~SequenceConstraint.mask`
+  per sequence itself.
+
+Thread-safety: a compiler may be used by any number of threads at once (llguidance's tokenizer is
+immutable, and building a grammar releases the GIL); a sequence constraint by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp
+import llguidance
+import llguidance.llamacpp
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ConstraintCompiler", "ConstraintError", "ConstraintLimits", "SequenceConstraint"]
+
+logger = logging.getLogger(__name__)
+
+_NEG_INF = np.float32(-np.inf)
+# Whitespace between JSON tokens: enough for pretty-printed JSON (a newline and 20 levels of indentation
+# at one space, 10 at two), not for a model to pad forever, which unbounded whitespace would let it do.
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+
+
+class ConstraintError(ValueError):
+    """A schema the engine refuses, and why.
+
+    ``code`` is ``invalid_schema`` for a schema that is not valid JSON Schema or uses a feature
+    llguidance does not implement, ``schema_too_complex`` for one past :class:`ConstraintLimits`.
+    """
+
+    def __init__(self, message: str, code: str = "invalid_schema") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ConstraintLimits:
+    """Bounds on what one schema may cost; a schema past any of them is refused.
+
+    The first four are llguidance's ``LLParserLimits``; llguidance's own measured speeds give the
+    worst cases: ``initial_lexer_fuel`` bounds building the lexer (about 50,000 units per ms),
+    ``step_lexer_fuel`` and ``step_max_items`` one token's mask (about 14,000 and 20,000 units per ms:
+    at most ~7 ms and ~2.5 ms here), ``max_lexer_states`` the lexer's memory (1-2 kB per state).
+    ``max_items_in_row`` bounds one grammar rule's alternatives, ``max_grammar_size`` the grammar's
+    symbols.
+    """
+
+    max_grammar_size: int = 200_000
+    max_items_in_row: int = 2_000
+    initial_lexer_fuel: int = 1_000_000
+    step_lexer_fuel: int = 100_000
+    step_max_items: int = 50_000
+    max_lexer_states: int = 50_000
+
+    def parser_limits(self) -> llguidance.LLParserLimits:
+        """These bounds as llguidance's ``LLParserLimits`` (error messages without the grammar's text)."""
+        return llguidance.LLParserLimits(
+            max_items_in_row=self.max_items_in_row,
+            initial_lexer_fuel=self.initial_lexer_fuel,
+            step_lexer_fuel=self.step_lexer_fuel,
+            step_max_items=self.step_max_items,
+            max_lexer_states=self.max_lexer_states,
+            max_grammar_size=self.max_grammar_size,
+            verbose_errors=False,
+        )
+
+
+class ConstraintCompiler:
+    """Compiles JSON schemas into :class:`SequenceConstraint` for one model's vocabulary.
+
+    Args:
+        vocab: the model's ``llama_vocab`` pointer (``llama_cpp.llama_model_get_vocab``).
+        n_vocab: the size of the model's logits rows (tokens past the vocabulary are never allowed).
+        limits: the bounds every schema must fit.
+
+    Building one reads every token's text from llama.cpp (0.3-1.3 s for a 49,152-token vocabulary), and
+    changes the process's warning filters meanwhile: build one per model, at start-up, and share it.
+    Using it is thread-safe.
+    """
+
+    def __init__(self, vocab: llama_cpp.llama_vocab_p, n_vocab: int, limits: ConstraintLimits | None = None) -> None:
+        if n_vocab <= 0:
+            raise ValueError(f"n_vocab must be positive, got {n_vocab}")
+        self.limits = limits or ConstraintLimits()
+        self.n_vocab = n_vocab
+        n_tokens = llama_cpp.llama_vocab_n_tokens(vocab)
+        self.end_tokens = tuple(t for t in range(n_tokens) if llama_cpp.llama_vocab_is_eog(vocab, t))
+        if not self.end_tokens or max(self.end_tokens) >= n_vocab:
+            raise ValueError("the vocabulary has no end-of-generation token inside the logits rows")
+        with warnings.catch_warnings():
+            # llguidance 1.9.1 reads token attributes with a call llama-cpp-python 0.3.36 deprecates (once
+            # per token); the replacement returns the same values.
+            warnings.filterwarnings("ignore", "llama_token_get_attr is deprecated", DeprecationWarning)
+            self._tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(vocab, eos_token=list(self.end_tokens))
+        self._parser_limits = self.limits.parser_limits()
+
+    @classmethod
+    def for_llama(cls, llama: llama_cpp.Llama, limits: ConstraintLimits | None = None) -> ConstraintCompiler:
+        """A compiler for ``llama``'s model (the context itself is not kept)."""
+        vocab = llama_cpp.llama_model_get_vocab(llama.model)
+        return cls(vocab, llama.n_vocab(), limits)
+
+    def compile(self, schema: Mapping[str, Any]) -> SequenceConstraint:
+        """A fresh constraint making one sequence's generated text a JSON value following ``schema``.
+
+        The grammar is built and checked against the limits, and the first token mask computed (the
+        first step's cost is then known, and paid here rather than by the first sampled token). Runs in
+        the calling thread, mostly without the GIL; bounded by :attr:`limits`.
+
+        Raises:
+            ConstraintError: the schema is invalid, unsupported, or past a limit (the message says which).
+        """
+        try:
+            text = json.dumps(_closed_objects(schema))
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
+        except (TypeError, ValueError, RecursionError) as error:
+            raise ConstraintError(f"the schema could not be read: {error}") from None
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
+        if not matcher.is_error():
+            constraint = SequenceConstraint(matcher, self._tokenizer.vocab_size, self.n_vocab, self.end_tokens)
+            if constraint.prepare():
+                return constraint
+        raise _refusal(matcher.get_error())
+
+
+# Keywords whose values are data, not schemas: left as they are.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# Keywords whose values map names to schemas.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _closed_objects(schema: Any) -> Any:
+    """A copy of ``schema`` where objects with ``properties`` and no word on others allow none (see above)."""
+    if isinstance(schema, list):
+        return [_closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYWORDS:
+            closed[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: _closed_objects(item) for name, item in value.items()}
+        else:
+            closed[key] = _closed_objects(value)
+    if (isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema
+            and "patternProperties" not in schema):
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _refusal(message: str) -> ConstraintError:
+    lowered = message.lower()
+    too_complex = any(word in lowered for word in ("limit", "too many", "too large", "too complex", "fuel"))
+    return ConstraintError(f"the schema cannot be enforced: {message}",
+                           "schema_too_complex" if too_complex else "invalid_schema")
+
+
+class SequenceConstraint:
+    """One sequence's grammar state: which tokens may come next, given those sampled so far.
+
+    Made by :meth:`ConstraintCompiler.compile`. Use it for one generation: as llama-cpp-python's
+    ``logits_processor`` (``__call__``), or through :meth:`advance` and :meth:`mask`.
+
+    A grammar that fails while generating (a limit reached on a later token, a token it cannot take)
+    does not raise: the failure is logged, :attr:`error` says what it was, and from then on only the
+    end-of-generation tokens are allowed, so the generation ends at the next token.
+
+    Cost per token: llguidance's mask computation (bounded by the step limits; tens of microseconds for
+    typical JSON) plus O(n_vocab) numpy work to apply it. Not thread-safe: one thread at a time.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, n_vocab: int,
+                 end_tokens: Sequence[int]) -> None:
+        self._matcher = matcher
+        self._n_vocab = n_vocab
+        self._n_masked = min(tokenizer_vocab, n_vocab)  # tokens the mask speaks for; the rest are refused
+        self._bits = np.zeros((tokenizer_vocab + 31) // 32, dtype=np.int32)
+        self._end_tokens = np.asarray(end_tokens, dtype=np.intp)
+        self._blocked = np.empty(self._n_masked, dtype=np.bool_)
+        self._mask_ready = False
+        self._seen: int | None = None
+        self.error: str | None = None
+        """Why the grammar stopped constraining mid-generation (see above), or None."""
+
+    @property
+    def complete(self) -> bool:
+        """True once the grammar accepts no more tokens (only an end-of-generation token is allowed)."""
+        return self._matcher.is_stopped()
+
+    def prepare(self) -> bool:
+        """Compute the next token's mask now, if not done yet (the first one is, at compile time).
+
+        Returns:
+            False if the grammar is in an error state (the matcher's error says why).
+        """
+        if self._mask_ready:
+            return True
+        matcher = self._matcher
+        if not matcher.is_error():
+            matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        self._mask_ready = not matcher.is_error()
+        return self._mask_ready
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Feed the tokens sampled since the last call, in order. A refused token ends the sequence (:attr:`error`)."""
+        if self.error is not None or not tokens:
+            return
+        self._mask_ready = False
+        if not self._matcher.consume_tokens([int(t) for t in tokens]):
+            self._fail(self._matcher.get_error() or "a sampled token does not follow the grammar")
+
+    def mask(self, scores: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """Set the logits of every token not allowed next to -inf, in place; allowed ones keep their values.
+
+        Args:
+            scores: one logits row of the model's ``n_vocab`` (a strided view is fine).
+
+        Returns:
+            ``scores``.
+        """
+        if self.error is None and not self.prepare():
+            self._fail(self._matcher.get_error())
+        if self.error is not None:
+            kept = scores[self._end_tokens].copy()
+            scores[:] = _NEG_INF
+            scores[self._end_tokens] = np.where(np.isfinite(kept), kept, np.float32(0.0))
+        else:
+            allowed = np.unpackbits(self._bits.view(np.uint8), count=self._n_masked, bitorder="little")
+            np.equal(allowed, 0, out=self._blocked)
+            np.copyto(scores[: self._n_masked], _NEG_INF, where=self._blocked)
+            if self._n_vocab > self._n_masked:
+                scores[self._n_masked :] = _NEG_INF
+        return scores
+
+    def __call__(self, input_ids: npt.NDArray[np.intc], scores: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        """llama-cpp-python's ``logits_processor``: ``input_ids`` are all the tokens so far, ``scores`` the next row.
+
+        The first call takes every token as the prompt; each later one feeds the tokens added since.
+        """
+        n = len(input_ids)
+        if self._seen is None:
+            self._seen = n
+        elif n < self._seen:
+            self._fail(f"the sequence went back from {self._seen} to {n} tokens")
+        elif n > self._seen:
+            self.advance(input_ids[self._seen : n].tolist())
+            self._seen = n
+        return self.mask(scores)
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+            logger.warning("structured output stopped: %s; ending the generation", message)

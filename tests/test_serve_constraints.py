@@ -1,0 +1,450 @@
+"""Structured outputs: the llguidance constraint on a real model, and ``llama-cache serve``'s JSON mode and tool calls.
+
+The unit tests drive :class:`~llama_cache.server.constraints.SequenceConstraint` through
+llama-cpp-python's ``logits_processor`` hook on ``llama_cache.Llama`` with the default model and check
+every mask against the real logits it was applied to. The server tests call a live server with the
+official ``openai`` client, among them the schemas that crash llama-cpp-python's own grammar path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import llama_cpp
+import llguidance
+import numpy as np
+import numpy.typing as npt
+import openai
+import pytest
+
+from llama_cache import Llama, LlamaRAMCache, default_model_path
+from llama_cache.server import ServerConfig
+from llama_cache.server.constraints import ConstraintCompiler, ConstraintError, ConstraintLimits, SequenceConstraint
+from tests.live_server import LiveServer
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+N_CTX = 1024
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 40}, "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+    "required": ["city", "days"],
+}
+LONG_STRING = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 100000}}, "required": ["text"]}
+LONG_PATTERN = {"type": "object", "properties": {"c": {"type": "string", "pattern": "^c{1,2000}$"}}, "required": ["c"]}
+ENUM_VALUES = [f"item-{i}" for i in range(50_000)]
+BIG_ENUM = {"type": "object", "properties": {"choice": {"enum": ENUM_VALUES}}, "required": ["choice"]}
+PERSON_PROMPT = "Reply in JSON: an object with the name and age of a person called Ada, aged 36."
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[Llama]:
+    model = Llama(model_path=str(default_model_path()), n_ctx=N_CTX, verbose=False, cache=LlamaRAMCache())
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def compiler(llama: Llama) -> ConstraintCompiler:
+    return ConstraintCompiler.for_llama(llama)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=8))
+    yield live
+    live.stop()
+
+
+class Recorder:
+    """A logits processor around a constraint that keeps, per call, the tokens so far and the row before and after."""
+
+    def __init__(self, constraint: SequenceConstraint) -> None:
+        self.constraint = constraint
+        self.calls: list[tuple[npt.NDArray[np.intc], npt.NDArray[np.float32], npt.NDArray[np.float32]]] = []
+
+    def __call__(self, input_ids: npt.NDArray[np.intc], scores: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        before = np.array(scores, dtype=np.float32, copy=True)
+        after = self.constraint(input_ids, scores)
+        self.calls.append((np.array(input_ids, copy=True), before, np.array(after, dtype=np.float32, copy=True)))
+        return after
+
+
+def _complete(llama: Llama, processor: Any, content: str, **options: Any) -> dict[str, Any]:
+    return llama.create_chat_completion([{"role": "user", "content": content}], max_tokens=64,
+                                        logits_processor=llama_cpp.LogitsProcessorList([processor]), **options)
+
+
+def _matches_weather(arguments: Any) -> bool:
+    return (isinstance(arguments, dict) and set(arguments) == {"city", "days"} and isinstance(arguments["city"], str)
+            and len(arguments["city"]) <= 40 and type(arguments["days"]) is int and 1 <= arguments["days"] <= 14)
+
+
+# ----------------------------------------------------------------------------------- the constraint
+
+def test_the_mask_keeps_allowed_logits_blocks_the_rest_and_allows_only_the_end_once_complete(
+    llama: Llama, compiler: ConstraintCompiler
+) -> None:
+    recorder = Recorder(compiler.compile(WEATHER))
+    reply = _complete(llama, recorder, "What is the weather in Rome for the next 3 days?", temperature=0)
+    text = reply["choices"][0]["message"]["content"]
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    assert _matches_weather(json.loads(text))
+    oracle = llguidance.LLMatcher(compiler._tokenizer, llguidance.LLMatcher.grammar_from_json_schema(  # noqa: SLF001
+        json.dumps({**WEATHER, "additionalProperties": False}),
+        overrides={"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}), log_level=0)
+    prompt_length = len(recorder.calls[0][0])
+    rng = np.random.default_rng(0)
+    for index, (input_ids, before, after) in enumerate(recorder.calls):
+        assert len(input_ids) == prompt_length + index  # one call per sampled token, all tokens so far
+        if index:
+            assert oracle.consume_token(int(input_ids[-1]))
+        allowed = np.flatnonzero(np.isfinite(after))
+        blocked = np.flatnonzero(~np.isfinite(after))
+        assert len(allowed) > 0
+        np.testing.assert_array_equal(after[allowed], before[allowed])  # values kept, not just finiteness
+        assert np.all(after[blocked] == -np.inf)
+        # llguidance's token-by-token check (which takes no end token) agrees with the mask on a sample of
+        # both sides.
+        for side, expected in ((allowed, 1), (blocked, 0)):
+            for token in rng.choice(side, size=min(8, len(side)), replace=False).tolist():
+                if token not in compiler.end_tokens:
+                    assert oracle.validate_tokens([token]) == expected, llama.detokenize([token])
+    first_allowed = np.flatnonzero(np.isfinite(recorder.calls[0][2]))
+    assert all(llama.detokenize([int(t)]).strip().startswith(b"{") or not llama.detokenize([int(t)]).strip()
+               for t in first_allowed)
+    last_allowed = np.flatnonzero(np.isfinite(recorder.calls[-1][2]))
+    assert set(last_allowed.tolist()) == set(compiler.end_tokens)
+    assert recorder.constraint.complete and recorder.constraint.error is None
+
+
+def test_the_mask_after_an_accepted_prefix(llama: Llama, compiler: ConstraintCompiler) -> None:
+    constraint = compiler.compile(WEATHER)
+    prefix = llama.tokenize(b'{"city": "Par', add_bos=False)
+    prompt = llama.tokenize(b"Weather?")
+    row = np.zeros(llama.n_vocab(), dtype=np.float32)
+    constraint(np.array(prompt, dtype=np.intc), row.copy())
+    masked = constraint(np.array(prompt + prefix, dtype=np.intc), row.copy())
+    allowed = {int(t) for t in np.flatnonzero(np.isfinite(masked))}
+    inside_string = llama.tokenize(b"is", add_bos=False)
+    assert inside_string[0] in allowed
+    assert llama.tokenize(b'"', add_bos=False)[0] in allowed  # the string may close
+    assert llama.tokenize(b"\n", add_bos=False)[0] not in allowed  # no raw newline inside a JSON string
+    assert not allowed & set(compiler.end_tokens)
+    rest = llama.tokenize(b'is", "days": 3}', add_bos=False)
+    masked = constraint(np.array(prompt + prefix + rest, dtype=np.intc), row.copy())
+    assert set(np.flatnonzero(np.isfinite(masked)).tolist()) == set(compiler.end_tokens)
+    assert constraint.complete
+
+
+def test_rows_longer_or_shorter_than_the_tokenizer_vocabulary(llama: Llama, compiler: ConstraintCompiler) -> None:
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    n_vocab = llama.n_vocab()
+    prompt = np.array(llama.tokenize(b"Hi"), dtype=np.intc)
+    reference = compiler.compile(WEATHER)(prompt, np.zeros(n_vocab, dtype=np.float32))
+    wider = ConstraintCompiler(vocab, n_vocab + 40)
+    row = wider.compile(WEATHER)(prompt, np.zeros(n_vocab + 40, dtype=np.float32))
+    np.testing.assert_array_equal(row[:n_vocab], reference)
+    assert np.all(row[n_vocab:] == -np.inf)
+    narrower = ConstraintCompiler(vocab, n_vocab - 40)
+    row = narrower.compile(WEATHER)(prompt, np.zeros(n_vocab - 40, dtype=np.float32))
+    np.testing.assert_array_equal(row, reference[: n_vocab - 40])
+
+
+def test_a_token_the_grammar_refuses_ends_the_generation_without_raising(
+    llama: Llama, compiler: ConstraintCompiler, caplog: pytest.LogCaptureFixture
+) -> None:
+    constraint = compiler.compile(WEATHER)
+    prompt = llama.tokenize(b"Weather?")
+    row = np.ones(llama.n_vocab(), dtype=np.float32)
+    constraint(np.array(prompt, dtype=np.intc), row.copy())
+    with caplog.at_level(logging.WARNING, logger="llama_cache.server.constraints"):
+        masked = constraint(np.array(prompt + llama.tokenize(b"Hello", add_bos=False), dtype=np.intc), row.copy())
+    assert constraint.error
+    assert set(np.flatnonzero(np.isfinite(masked)).tolist()) == set(compiler.end_tokens)
+    np.testing.assert_array_equal(masked[list(compiler.end_tokens)], 1.0)
+    assert "ending the generation" in caplog.text
+    later = constraint(np.array(prompt + llama.tokenize(b"Hello there", add_bos=False), dtype=np.intc), row.copy())
+    assert set(np.flatnonzero(np.isfinite(later)).tolist()) == set(compiler.end_tokens)
+    # A sequence that goes back (not one generation) is a failure too, never an exception.
+    constraint = compiler.compile(WEATHER)
+    constraint(np.array(prompt + llama.tokenize(b"{", add_bos=False), dtype=np.intc), row.copy())
+    masked = constraint(np.array(prompt, dtype=np.intc), row.copy())
+    assert constraint.error and "went back" in constraint.error
+    assert set(np.flatnonzero(np.isfinite(masked)).tolist()) == set(compiler.end_tokens)
+
+
+def test_the_first_token_of_an_exact_cached_repeat_is_constrained_too(
+    llama: Llama, compiler: ConstraintCompiler, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    messages = [{"role": "user", "content": "Say hello to the world in French."}]
+    llama.create_chat_completion(messages, max_tokens=4, temperature=0)  # caches the prompt's state
+    llama.create_chat_completion([{"role": "user", "content": "Something else entirely."}], max_tokens=2)
+    rows: list[int] = []
+    sample_row = llama._sample_row  # noqa: SLF001 - the stored-logits path under test
+
+    def spy(row: Any, *args: Any, **kwargs: Any) -> int:
+        rows.append(len(row))
+        return sample_row(row, *args, **kwargs)
+
+    monkeypatch.setattr(llama, "_sample_row", spy)
+    constraint = compiler.compile(WEATHER)
+    reply = llama.create_chat_completion(messages, max_tokens=64, temperature=0,
+                                         logits_processor=llama_cpp.LogitsProcessorList([constraint]))
+    assert rows, "the first token was not sampled from the stored logits"
+    assert llama.last_prompt_tokens_evaluated == 0
+    assert _matches_weather(json.loads(reply["choices"][0]["message"]["content"]))
+
+
+def test_json_object_output_parses_greedy_and_sampled(llama: Llama, compiler: ConstraintCompiler) -> None:
+    for options in ({"temperature": 0}, {"temperature": 0.8, "seed": 1234}):
+        reply = _complete(llama, compiler.compile({"type": "object"}), PERSON_PROMPT, **options)
+        assert isinstance(json.loads(reply["choices"][0]["message"]["content"]), dict), options
+
+
+@pytest.mark.parametrize(("schema", "code", "words"), [
+    ({"type": "wat"}, "invalid_schema", "wat"),
+    ({"not": {"type": "string"}}, "invalid_schema", "not"),
+    ({"$ref": "#/$defs/missing"}, "invalid_schema", "missing"),
+    ({"type": "string", "pattern": "^(a)\\1$"}, "invalid_schema", "backreferences"),
+], ids=["bad-type", "unsupported-keyword", "dangling-ref", "backreference"])
+def test_invalid_or_unsupported_schemas_are_refused_naming_the_problem(
+    compiler: ConstraintCompiler, schema: dict[str, Any], code: str, words: str
+) -> None:
+    with pytest.raises(ConstraintError) as raised:
+        compiler.compile(schema)
+    assert raised.value.code == code and words in str(raised.value)
+    assert isinstance(raised.value, ValueError)
+
+
+def test_schemas_past_the_limits_are_refused_as_too_complex(llama: Llama) -> None:
+    vocab = llama_cpp.llama_model_get_vocab(llama.model)
+    tight = ConstraintCompiler(vocab, llama.n_vocab(), ConstraintLimits(initial_lexer_fuel=10_000))
+    with pytest.raises(ConstraintError) as raised:
+        tight.compile({"enum": ENUM_VALUES[:2000]})
+    assert raised.value.code == "schema_too_complex" and "limit" in str(raised.value)
+    tight = ConstraintCompiler(vocab, llama.n_vocab(), ConstraintLimits(max_grammar_size=50))
+    with pytest.raises(ConstraintError) as raised:
+        tight.compile({"type": "object", "properties": {f"k{i}": {"type": "integer"} for i in range(40)}})
+    assert raised.value.code == "schema_too_complex"
+
+
+def test_the_crashing_schemas_and_a_50000_value_enum_compile_in_bounded_time(
+    llama: Llama, compiler: ConstraintCompiler
+) -> None:
+    prompt = np.array(llama.tokenize(b"Go"), dtype=np.intc)
+    for schema in (LONG_STRING, LONG_PATTERN, BIG_ENUM):
+        started = time.monotonic()
+        constraint = compiler.compile(schema)
+        assert time.monotonic() - started < 20
+        row = constraint(prompt, np.zeros(llama.n_vocab(), dtype=np.float32))
+        assert np.isfinite(row).any()
+    # A string of 2,001 c's is past the pattern: the mask closes the string after 2,000.
+    constraint = compiler.compile(LONG_PATTERN)
+    tokens = prompt.tolist()
+    constraint(prompt, np.zeros(llama.n_vocab(), dtype=np.float32))
+    tokens += llama.tokenize(b'{"c": "' + b"c" * 2000, add_bos=False)
+    row = constraint(np.array(tokens, dtype=np.intc), np.zeros(llama.n_vocab(), dtype=np.float32))
+    assert constraint.error is None
+    assert llama.tokenize(b"c", add_bos=False)[0] not in set(np.flatnonzero(np.isfinite(row)).tolist())
+
+
+# ---------------------------------------------------------------------------------------- the server
+
+def _tool(name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name, "description": f"the {name} function"}
+    if schema is not None:
+        function["parameters"] = schema
+    return {"type": "function", "function": function}
+
+
+def _named(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name}}
+
+
+def _call_arguments(reply: Any, name: str) -> Any:
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == name and call.id.startswith("call_")
+    return json.loads(call.function.arguments)
+
+
+def test_the_schemas_that_crash_llama_cpp_python_are_answered_and_the_server_stays_up(server: LiveServer) -> None:
+    client = server.client(max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Write the letter c a few times."}]
+    for schema in (LONG_STRING, LONG_PATTERN):
+        reply = client.chat.completions.create(model="m", messages=messages, tools=[_tool("write", schema)],
+                                               tool_choice=_named("write"), max_tokens=48, temperature=0)
+        arguments = _call_arguments(reply, "write")
+        if schema is LONG_PATTERN:
+            assert re.fullmatch("c{1,2000}", arguments["c"]) and set(arguments) == {"c"}
+        else:
+            assert isinstance(arguments["text"], str) and set(arguments) == {"text"}
+    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=4, temperature=0)
+    assert reply.choices[0].message.content
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_a_named_tool_call_streams_as_openai_does(server: LiveServer) -> None:
+    client = server.client(max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "What is the weather in Rome for the next 3 days?"}]
+    whole = client.chat.completions.create(model="m", messages=messages, tools=[_tool("weather", WEATHER)],
+                                           tool_choice=_named("weather"), max_tokens=48, temperature=0)
+    expected = whole.choices[0].message.tool_calls[0].function.arguments
+    assert _matches_weather(_call_arguments(whole, "weather"))
+    chunks = list(client.chat.completions.create(model="m", messages=messages, tools=[_tool("weather", WEATHER)],
+                                                 tool_choice=_named("weather"), max_tokens=48, temperature=0,
+                                                 stream=True))
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content is None
+    (opening,) = first.tool_calls
+    assert (opening.index, opening.type, opening.function.name) == (0, "function", "weather")
+    assert opening.id.startswith("call_") and not opening.function.arguments
+    fragments = []
+    for chunk in chunks[1:-1]:
+        (call,) = chunk.choices[0].delta.tool_calls
+        assert call.index == 0 and call.id is None and call.function.name is None
+        fragments.append(call.function.arguments)
+        assert chunk.choices[0].finish_reason is None
+    assert "".join(fragments) == expected
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and not chunks[-1].choices[0].delta.tool_calls
+
+
+def test_a_50000_value_enum_is_answered_in_bounded_time(server: LiveServer) -> None:
+    started = time.monotonic()
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "Pick an item."}], "max_tokens": 24, "temperature": 0,
+        "tools": [_tool("pick", BIG_ENUM)], "tool_choice": _named("pick"),
+    })
+    assert response.status_code == 200, response.text
+    arguments = json.loads(response.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"])
+    assert arguments["choice"] in set(ENUM_VALUES)
+    assert time.monotonic() - started < 90
+
+
+def test_json_object_answers_parse_greedy_and_sampled(server: LiveServer) -> None:
+    client = server.client(max_retries=0, timeout=120)
+    for options in ({"temperature": 0}, {"temperature": 0.8, "seed": 1234}):
+        for stream in (False, True):
+            request = {"model": "m", "messages": [{"role": "user", "content": PERSON_PROMPT}], "max_tokens": 64,
+                       "response_format": {"type": "json_object"}, **options}
+            if stream:
+                chunks = client.chat.completions.create(**request, stream=True)
+                text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+            else:
+                text = client.chat.completions.create(**request).choices[0].message.content or ""
+            assert isinstance(json.loads(text), dict), (options, stream, text)
+
+
+def test_legacy_functions_answer_with_a_function_call(server: LiveServer) -> None:
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "user", "content": "What is the weather in Rome for the next 3 days?"}],
+        "functions": [{"name": "weather", "parameters": WEATHER}, {"name": "nothing"}],
+        "function_call": {"name": "weather"}, "max_tokens": 48, "temperature": 0,
+    })
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "function_call" and choice["message"]["content"] is None
+    assert choice["message"]["function_call"]["name"] == "weather"
+    assert _matches_weather(json.loads(choice["message"]["function_call"]["arguments"]))
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(server: LiveServer) -> None:
+    client = server.client(max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Ring the bell."}],
+                                           tools=[_tool("ring", None)], tool_choice=_named("ring"), max_tokens=16,
+                                           temperature=0)
+    assert _call_arguments(reply, "ring") == {}
+
+
+def test_no_llama_cpp_python_grammar_is_built_for_structured_requests(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[str] = []
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        built.append("LlamaGrammar")
+        raise AssertionError("llama-cpp-python's grammar must not be built")
+
+    monkeypatch.setattr(llama_cpp.llama_grammar.LlamaGrammar, "__init__", refuse)
+    messages = [{"role": "user", "content": PERSON_PROMPT}]
+    for extra in ({"response_format": {"type": "json_object"}},
+                  {"tools": [_tool("weather", WEATHER)], "tool_choice": _named("weather")},
+                  {"tools": [_tool("weather", WEATHER)], "tool_choice": "auto"}):
+        response = httpx.post(server.url + "/v1/chat/completions", timeout=120,
+                              json={"messages": messages, "max_tokens": 8, **extra})
+        assert response.status_code == 200, (extra, response.text)
+    assert not built
+
+
+_MESSAGES = [{"role": "user", "content": "Hi"}]
+_WEATHER_TOOL = _tool("weather", WEATHER)
+_BAD_TOOL_REQUESTS = [
+    ({"tools": [1, 2]}, "tools", "invalid_value"),
+    ({"tools": {"type": "function"}}, "tools", "invalid_type"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "invalid_value"),
+    ({"tools": [_tool("has space", None)]}, "tools", "invalid_value"),
+    ({"tools": [_WEATHER_TOOL, _WEATHER_TOOL]}, "tools", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools", "invalid_value"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": 3}}]}, "tools", "invalid_value"),
+    ({"tools": [_WEATHER_TOOL], "tool_choice": _named("other")}, "tool_choice", "invalid_value"),
+    ({"tools": [_WEATHER_TOOL], "tool_choice": {"name": "weather"}}, "tool_choice", "invalid_value"),
+    ({"tools": [_WEATHER_TOOL], "tool_choice": "any"}, "tool_choice", "invalid_value"),
+    ({"tool_choice": _named("weather")}, "tool_choice", "invalid_value"),
+    ({"tools": [_WEATHER_TOOL], "tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
+    ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call", "unsupported_parameter"),
+    ({"functions": [{"name": "f"}], "function_call": {"name": "g"}}, "function_call", "invalid_value"),
+    ({"functions": [{"name": "f"}], "tools": [_WEATHER_TOOL]}, "functions", "invalid_value"),
+    ({"tools": [_WEATHER_TOOL], "tool_choice": _named("weather"), "response_format": {"type": "json_object"}},
+     "response_format", "invalid_value"),
+    ({"tools": [_tool("f", {"not": {}})], "tool_choice": _named("f")}, "tools", "invalid_schema"),
+    ({"tools": [_tool("f", {"type": "string", "pattern": "(a)\\1"})], "tool_choice": _named("f")},
+     "tools", "invalid_schema"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "code"), _BAD_TOOL_REQUESTS,
+                         ids=[f"{i}-{param}-{code}" for i, (_, param, code) in enumerate(_BAD_TOOL_REQUESTS)])
+def test_bad_tools_are_a_400_naming_the_field(server: LiveServer, extra: dict[str, Any], param: str, code: str) -> None:
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": _MESSAGES, **extra}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
+    assert error["message"]
+
+
+def test_required_is_refused_as_not_supported_yet(server: LiveServer) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        server.client(max_retries=0).chat.completions.create(
+            model="m", messages=_MESSAGES, tools=[_WEATHER_TOOL], tool_choice="required", max_tokens=4)
+    assert raised.value.code == "unsupported_parameter" and "not supported yet" in raised.value.message
+
+
+def test_unconstrained_greedy_answers_are_unchanged(server: LiveServer) -> None:
+    reference = Llama(model_path=str(default_model_path()), verbose=False,
+                      **ServerConfig(n_ctx=N_CTX).context_options())
+    try:
+        messages = [{"role": "user", "content": "Name a fruit that is yellow."}]
+        expected = reference.create_chat_completion(messages, max_tokens=12, temperature=0)
+        with_tools = reference.create_chat_completion(messages, max_tokens=12, temperature=0, tools=[_WEATHER_TOOL],
+                                                      tool_choice="auto")
+    finally:
+        reference.close()
+    client = server.client(max_retries=0, timeout=120)
+    for _ in range(2):  # before and after a constrained request on the same context
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+        assert reply.choices[0].message.content == expected["choices"][0]["message"]["content"]
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                               tools=[_WEATHER_TOOL], tool_choice="auto")
+        assert reply.choices[0].message.content == with_tools["choices"][0]["message"]["content"]
+        client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
+                                       response_format={"type": "json_object"})
