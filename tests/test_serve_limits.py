@@ -95,7 +95,10 @@ _REFUSED: list[tuple[str, Any, str, str | None]] = [
     (_CHAT, {"messages": _USER, "tools": [_schema_tool(_nested(40))]}, "limit_exceeded", "tools[0].parameters"),
     (_CHAT, {"messages": _USER, "tools": [_schema_tool({"description": "x" * (65 << 10)})]},
      "limit_exceeded", "tools[0].parameters"),
-    (_CHAT, {"messages": _USER, "tools": [_schema_tool([1, 2])]}, "invalid_type", "tools[0].parameters"),
+    (_CHAT, {"messages": _USER, "tools": [_schema_tool([1, 2])]}, "invalid_value", "tools"),
+    (_CHAT, {"messages": _USER, "tools": [1, 2]}, "invalid_value", "tools"),
+    (_CHAT, {"messages": _USER, "tools": [_schema_tool({})], "tool_choice": "required"}, "unsupported_parameter",
+     "tool_choice"),
 ]
 
 
