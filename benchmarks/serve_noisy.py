@@ -443,7 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attack-timeout", type=float, default=60.0, help="the longest a phase may last")
     parser.add_argument("--fill", type=float, default=0.9, help="share of the context the long prompts take")
     parser.add_argument("--n-ctx", type=int, default=2048)
-    parser.add_argument("--parallel", type=int, default=4, help="contexts/slots of every server")
+    parser.add_argument("--parallel", type=int, default=None,
+                        help="contexts/slots of every server (default: attackers + clients, a slot each: the "
+                        "attack's compute is measured, not a wait for a free slot)")
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--flash-attn", type=on_off, default=True)
     parser.add_argument("--with-api-key", action="store_true", help="both servers with --api-key; every request "
@@ -472,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         print("--with-api-key: this checkout's llama-cache serve has no --api-key", file=sys.stderr)
         return 2
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    settings = Settings(args.n_ctx, args.parallel, args.threads, args.flash_attn)
+    parallel = args.parallel if args.parallel is not None else args.attackers + args.clients
+    settings = Settings(args.n_ctx, parallel, args.threads, args.flash_attn)
     results: dict[str, Any] = {
         "scenario": "noisy", "model": model.name, "machine": machine(),
         "llama_server_version": llama_server_version(llama_server),
