@@ -26,6 +26,7 @@ import pytest
 from llama_cache import Llama, LlamaRAMCache, default_model_path
 from llama_cache.server import ServerConfig
 from llama_cache.server.constraints import ConstraintCompiler, ConstraintError, ConstraintLimits, SequenceConstraint
+from llama_cache.server.responses import structured_chunks, structured_completion
 from tests.live_server import LiveServer
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -255,6 +256,62 @@ def test_the_crashing_schemas_and_a_50000_value_enum_compile_in_bounded_time(
     assert llama.tokenize(b"c", add_bos=False)[0] not in set(np.flatnonzero(np.isfinite(row)).tolist())
 
 
+# ------------------------------------------------------------------------------------ answer shapes
+
+def _chat(content: str, reason: str) -> dict[str, Any]:
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m", "usage": {"total_tokens": 3},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                         "finish_reason": reason}]}
+
+
+def _chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+
+def test_answer_shapes_of_a_named_function_legacy_or_not_and_of_json_object() -> None:
+    completion = _chat('{"a": 1}', "stop")
+    shaped = structured_completion(completion, function="f")
+    (choice,) = shaped["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'} and call["type"] == "function"
+    assert {k: v for k, v in shaped.items() if k != "choices"} == {k: v for k, v in completion.items() if k != "choices"}
+    assert completion["choices"][0]["message"]["content"] == '{"a": 1}'  # left as it was
+    legacy = structured_completion(completion, function="f", legacy=True)["choices"][0]
+    assert legacy["finish_reason"] == "function_call"
+    assert legacy["message"] == {"role": "assistant", "content": None,
+                                 "function_call": {"name": "f", "arguments": '{"a": 1}'}}
+    assert structured_completion(completion, function=None)["choices"][0] == completion["choices"][0]
+    for function in ("f", None):  # cut short by max_tokens or by the constraint: "length"
+        assert structured_completion(_chat('{"a', "length"), function=function)["choices"][0]["finish_reason"] == "length"
+        assert structured_completion(completion, function=function, cut_short=True)["choices"][0][
+            "finish_reason"] == "length"
+
+
+def test_streamed_answer_shapes() -> None:
+    stream = [_chunk({"role": "assistant"}, None), _chunk({"content": '{"a"'}, None), _chunk({"content": ": 1}"}, None),
+              _chunk({}, "stop")]
+    shaped = list(structured_chunks(iter(stream), function="f"))
+    assert len(shaped) == len(stream)
+    opening = shaped[0]["choices"][0]["delta"]
+    (call,) = opening["tool_calls"]
+    assert opening["role"] == "assistant" and opening["content"] is None
+    assert (call["index"], call["type"], call["function"]) == (0, "function", {"name": "f", "arguments": ""})
+    assert [c["choices"][0]["delta"] for c in shaped[1:3]] == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]
+    assert shaped[3]["choices"][0]["delta"] == {} and shaped[3]["choices"][0]["finish_reason"] == "tool_calls"
+    legacy = list(structured_chunks(iter(stream), function="f", legacy=True))
+    assert legacy[0]["choices"][0]["delta"]["function_call"] == {"name": "f", "arguments": ""}
+    assert legacy[1]["choices"][0]["delta"] == {"function_call": {"arguments": '{"a"'}}
+    assert legacy[3]["choices"][0]["finish_reason"] == "function_call"
+    assert [c["choices"][0] for c in structured_chunks(iter(stream), function=None)] == [c["choices"][0] for c in stream]
+    asked: list[bool] = []
+    cut = list(structured_chunks(iter(stream), function=None, cut_short=lambda: asked.append(True) or True))
+    assert [c["choices"][0]["finish_reason"] for c in cut] == [None, None, None, "length"] and asked == [True]
+
+
 # ---------------------------------------------------------------------------------------- the server
 
 def _tool(name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
@@ -363,6 +420,38 @@ def test_a_function_without_parameters_is_called_with_an_empty_object(server: Li
                                            tools=[_tool("ring", None)], tool_choice=_named("ring"), max_tokens=16,
                                            temperature=0)
     assert _call_arguments(reply, "ring") == {}
+
+
+def test_a_constraint_that_gives_up_mid_generation_answers_length_and_the_server_stays_up(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llama = server.engine.pool.slots[0].llama
+    tight = ConstraintCompiler(llama_cpp.llama_model_get_vocab(llama.model), llama.n_vocab(),
+                               ConstraintLimits(max_lexer_states=200))  # ~6 tokens into the string
+    monkeypatch.setattr(server.engine, "constraints", tight)
+    client = server.client(max_retries=0, timeout=120)
+    request: dict[str, Any] = {
+        "model": "m", "messages": [{"role": "user", "content": "Describe the ocean in detail."}],
+        "tools": [_tool("write", LONG_STRING)], "tool_choice": _named("write"), "max_tokens": 48, "temperature": 0}
+    reply = client.chat.completions.create(**request)
+    assert reply.choices[0].finish_reason == "length"
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.arguments.startswith('{') and not _is_json(call.function.arguments)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.tool_calls[0].function.arguments for c in chunks[:-1]) == call.function.arguments
+    monkeypatch.undo()
+    # With the engine's own limits the same request writes on until max_tokens.
+    arguments = client.chat.completions.create(**request).choices[0].message.tool_calls[0].function.arguments
+    assert arguments.startswith(call.function.arguments) and len(arguments) > len(call.function.arguments)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def test_no_llama_cpp_python_grammar_is_built_for_structured_requests(
