@@ -63,6 +63,13 @@ def server() -> Iterator[LiveServer]:
     live.stop()
 
 
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    """One official client for the module, closed with it (no socket left for the garbage collector)."""
+    with server.client(max_retries=0, timeout=120) as opened:
+        yield opened
+
+
 class Recorder:
     """A logits processor around a constraint that keeps, per call, the tokens so far and the row before and after."""
 
@@ -334,8 +341,9 @@ def _call_arguments(reply: Any, name: str) -> Any:
     return json.loads(call.function.arguments)
 
 
-def test_the_schemas_that_crash_llama_cpp_python_are_answered_and_the_server_stays_up(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_the_schemas_that_crash_llama_cpp_python_are_answered_and_the_server_stays_up(
+    server: LiveServer, client: openai.OpenAI
+) -> None:
     messages = [{"role": "user", "content": "Write the letter c a few times."}]
     for schema in (LONG_STRING, LONG_PATTERN):
         reply = client.chat.completions.create(model="m", messages=messages, tools=[_tool("write", schema)],
@@ -350,8 +358,7 @@ def test_the_schemas_that_crash_llama_cpp_python_are_answered_and_the_server_sta
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
-def test_a_named_tool_call_streams_as_openai_does(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_a_named_tool_call_streams_as_openai_does(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the weather in Rome for the next 3 days?"}]
     whole = client.chat.completions.create(model="m", messages=messages, tools=[_tool("weather", WEATHER)],
                                            tool_choice=_named("weather"), max_tokens=48, temperature=0)
@@ -387,8 +394,7 @@ def test_a_50000_value_enum_is_answered_in_bounded_time(server: LiveServer) -> N
     assert time.monotonic() - started < 90
 
 
-def test_json_object_answers_parse_greedy_and_sampled(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_json_object_answers_parse_greedy_and_sampled(client: openai.OpenAI) -> None:
     for options in ({"temperature": 0}, {"temperature": 0.8, "seed": 1234}):
         for stream in (False, True):
             request = {"model": "m", "messages": [{"role": "user", "content": PERSON_PROMPT}], "max_tokens": 64,
@@ -414,8 +420,7 @@ def test_legacy_functions_answer_with_a_function_call(server: LiveServer) -> Non
     assert _matches_weather(json.loads(choice["message"]["function_call"]["arguments"]))
 
 
-def test_a_function_without_parameters_is_called_with_an_empty_object(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_a_function_without_parameters_is_called_with_an_empty_object(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Ring the bell."}],
                                            tools=[_tool("ring", None)], tool_choice=_named("ring"), max_tokens=16,
                                            temperature=0)
@@ -423,13 +428,12 @@ def test_a_function_without_parameters_is_called_with_an_empty_object(server: Li
 
 
 def test_a_constraint_that_gives_up_mid_generation_answers_length_and_the_server_stays_up(
-    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+    server: LiveServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     llama = server.engine.pool.slots[0].llama
     tight = ConstraintCompiler(llama_cpp.llama_model_get_vocab(llama.model), llama.n_vocab(),
                                ConstraintLimits(max_lexer_states=200))  # ~6 tokens into the string
     monkeypatch.setattr(server.engine, "constraints", tight)
-    client = server.client(max_retries=0, timeout=120)
     request: dict[str, Any] = {
         "model": "m", "messages": [{"role": "user", "content": "Describe the ocean in detail."}],
         "tools": [_tool("write", LONG_STRING)], "tool_choice": _named("write"), "max_tokens": 48, "temperature": 0}
@@ -511,14 +515,14 @@ def test_bad_tools_are_a_400_naming_the_field(server: LiveServer, extra: dict[st
     assert error["message"]
 
 
-def test_required_is_refused_as_not_supported_yet(server: LiveServer) -> None:
+def test_required_is_refused_as_not_supported_yet(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        server.client(max_retries=0).chat.completions.create(
+        client.chat.completions.create(
             model="m", messages=_MESSAGES, tools=[_WEATHER_TOOL], tool_choice="required", max_tokens=4)
     assert raised.value.code == "unsupported_parameter" and "not supported yet" in raised.value.message
 
 
-def test_unconstrained_greedy_answers_are_unchanged(server: LiveServer) -> None:
+def test_unconstrained_greedy_answers_are_unchanged(client: openai.OpenAI) -> None:
     reference = Llama(model_path=str(default_model_path()), verbose=False,
                       **ServerConfig(n_ctx=N_CTX).context_options())
     try:
@@ -528,7 +532,6 @@ def test_unconstrained_greedy_answers_are_unchanged(server: LiveServer) -> None:
                                                       tool_choice="auto")
     finally:
         reference.close()
-    client = server.client(max_retries=0, timeout=120)
     for _ in range(2):  # before and after a constrained request on the same context
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
         assert reply.choices[0].message.content == expected["choices"][0]["message"]["content"]
