@@ -26,6 +26,7 @@ import pytest
 from llama_cache import Llama, LlamaRAMCache, default_model_path
 from llama_cache.server import ServerConfig
 from llama_cache.server.constraints import ConstraintCompiler, ConstraintError, ConstraintLimits, SequenceConstraint
+from llama_cache.server.responses import structured_chunks, structured_completion
 from tests.live_server import LiveServer
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -60,6 +61,13 @@ def server() -> Iterator[LiveServer]:
     live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=8))
     yield live
     live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer) -> Iterator[openai.OpenAI]:
+    """One official client for the module, closed with it (no socket left for the garbage collector)."""
+    with server.client(max_retries=0, timeout=120) as opened:
+        yield opened
 
 
 class Recorder:
@@ -255,6 +263,62 @@ def test_the_crashing_schemas_and_a_50000_value_enum_compile_in_bounded_time(
     assert llama.tokenize(b"c", add_bos=False)[0] not in set(np.flatnonzero(np.isfinite(row)).tolist())
 
 
+# ------------------------------------------------------------------------------------ answer shapes
+
+def _chat(content: str, reason: str) -> dict[str, Any]:
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m", "usage": {"total_tokens": 3},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                         "finish_reason": reason}]}
+
+
+def _chunk(delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
+    return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}]}
+
+
+def test_answer_shapes_of_a_named_function_legacy_or_not_and_of_json_object() -> None:
+    completion = _chat('{"a": 1}', "stop")
+    shaped = structured_completion(completion, function="f")
+    (choice,) = shaped["choices"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'} and call["type"] == "function"
+    assert {k: v for k, v in shaped.items() if k != "choices"} == {k: v for k, v in completion.items() if k != "choices"}
+    assert completion["choices"][0]["message"]["content"] == '{"a": 1}'  # left as it was
+    legacy = structured_completion(completion, function="f", legacy=True)["choices"][0]
+    assert legacy["finish_reason"] == "function_call"
+    assert legacy["message"] == {"role": "assistant", "content": None,
+                                 "function_call": {"name": "f", "arguments": '{"a": 1}'}}
+    assert structured_completion(completion, function=None)["choices"][0] == completion["choices"][0]
+    for function in ("f", None):  # cut short by max_tokens or by the constraint: "length"
+        assert structured_completion(_chat('{"a', "length"), function=function)["choices"][0]["finish_reason"] == "length"
+        assert structured_completion(completion, function=function, cut_short=True)["choices"][0][
+            "finish_reason"] == "length"
+
+
+def test_streamed_answer_shapes() -> None:
+    stream = [_chunk({"role": "assistant"}, None), _chunk({"content": '{"a"'}, None), _chunk({"content": ": 1}"}, None),
+              _chunk({}, "stop")]
+    shaped = list(structured_chunks(iter(stream), function="f"))
+    assert len(shaped) == len(stream)
+    opening = shaped[0]["choices"][0]["delta"]
+    (call,) = opening["tool_calls"]
+    assert opening["role"] == "assistant" and opening["content"] is None
+    assert (call["index"], call["type"], call["function"]) == (0, "function", {"name": "f", "arguments": ""})
+    assert [c["choices"][0]["delta"] for c in shaped[1:3]] == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]
+    assert shaped[3]["choices"][0]["delta"] == {} and shaped[3]["choices"][0]["finish_reason"] == "tool_calls"
+    legacy = list(structured_chunks(iter(stream), function="f", legacy=True))
+    assert legacy[0]["choices"][0]["delta"]["function_call"] == {"name": "f", "arguments": ""}
+    assert legacy[1]["choices"][0]["delta"] == {"function_call": {"arguments": '{"a"'}}
+    assert legacy[3]["choices"][0]["finish_reason"] == "function_call"
+    assert [c["choices"][0] for c in structured_chunks(iter(stream), function=None)] == [c["choices"][0] for c in stream]
+    asked: list[bool] = []
+    cut = list(structured_chunks(iter(stream), function=None, cut_short=lambda: asked.append(True) or True))
+    assert [c["choices"][0]["finish_reason"] for c in cut] == [None, None, None, "length"] and asked == [True]
+
+
 # ---------------------------------------------------------------------------------------- the server
 
 def _tool(name: str, schema: dict[str, Any] | None) -> dict[str, Any]:
@@ -277,8 +341,9 @@ def _call_arguments(reply: Any, name: str) -> Any:
     return json.loads(call.function.arguments)
 
 
-def test_the_schemas_that_crash_llama_cpp_python_are_answered_and_the_server_stays_up(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_the_schemas_that_crash_llama_cpp_python_are_answered_and_the_server_stays_up(
+    server: LiveServer, client: openai.OpenAI
+) -> None:
     messages = [{"role": "user", "content": "Write the letter c a few times."}]
     for schema in (LONG_STRING, LONG_PATTERN):
         reply = client.chat.completions.create(model="m", messages=messages, tools=[_tool("write", schema)],
@@ -293,8 +358,7 @@ def test_the_schemas_that_crash_llama_cpp_python_are_answered_and_the_server_sta
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
-def test_a_named_tool_call_streams_as_openai_does(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_a_named_tool_call_streams_as_openai_does(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "What is the weather in Rome for the next 3 days?"}]
     whole = client.chat.completions.create(model="m", messages=messages, tools=[_tool("weather", WEATHER)],
                                            tool_choice=_named("weather"), max_tokens=48, temperature=0)
@@ -332,8 +396,7 @@ def test_a_50000_value_enum_is_refused_at_once_and_one_at_the_limit_is_answered(
     assert arguments["choice"] in set(ENUM_VALUES[:4096])
 
 
-def test_json_object_answers_parse_greedy_and_sampled(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_json_object_answers_parse_greedy_and_sampled(client: openai.OpenAI) -> None:
     for options in ({"temperature": 0}, {"temperature": 0.8, "seed": 1234}):
         for stream in (False, True):
             request = {"model": "m", "messages": [{"role": "user", "content": PERSON_PROMPT}], "max_tokens": 64,
@@ -359,12 +422,42 @@ def test_legacy_functions_answer_with_a_function_call(server: LiveServer) -> Non
     assert _matches_weather(json.loads(choice["message"]["function_call"]["arguments"]))
 
 
-def test_a_function_without_parameters_is_called_with_an_empty_object(server: LiveServer) -> None:
-    client = server.client(max_retries=0, timeout=120)
+def test_a_function_without_parameters_is_called_with_an_empty_object(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Ring the bell."}],
                                            tools=[_tool("ring", None)], tool_choice=_named("ring"), max_tokens=16,
                                            temperature=0)
     assert _call_arguments(reply, "ring") == {}
+
+
+def test_a_constraint_that_gives_up_mid_generation_answers_length_and_the_server_stays_up(
+    server: LiveServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llama = server.engine.pool.slots[0].llama
+    tight = ConstraintCompiler(llama_cpp.llama_model_get_vocab(llama.model), llama.n_vocab(),
+                               ConstraintLimits(max_lexer_states=200))  # ~6 tokens into the string
+    monkeypatch.setattr(server.engine, "constraints", tight)
+    request: dict[str, Any] = {
+        "model": "m", "messages": [{"role": "user", "content": "Describe the ocean in detail."}],
+        "tools": [_tool("write", LONG_STRING)], "tool_choice": _named("write"), "max_tokens": 48, "temperature": 0}
+    reply = client.chat.completions.create(**request)
+    assert reply.choices[0].finish_reason == "length"
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.arguments.startswith('{') and not _is_json(call.function.arguments)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.tool_calls[0].function.arguments for c in chunks[:-1]) == call.function.arguments
+    monkeypatch.undo()
+    # With the engine's own limits the same request writes on until max_tokens.
+    arguments = client.chat.completions.create(**request).choices[0].message.tool_calls[0].function.arguments
+    assert arguments.startswith(call.function.arguments) and len(arguments) > len(call.function.arguments)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def test_no_llama_cpp_python_grammar_is_built_for_structured_requests(
@@ -424,14 +517,14 @@ def test_bad_tools_are_a_400_naming_the_field(server: LiveServer, extra: dict[st
     assert error["message"]
 
 
-def test_required_is_refused_as_not_supported_yet(server: LiveServer) -> None:
+def test_required_is_refused_as_not_supported_yet(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
-        server.client(max_retries=0).chat.completions.create(
+        client.chat.completions.create(
             model="m", messages=_MESSAGES, tools=[_WEATHER_TOOL], tool_choice="required", max_tokens=4)
     assert raised.value.code == "unsupported_parameter" and "not supported yet" in raised.value.message
 
 
-def test_unconstrained_greedy_answers_are_unchanged(server: LiveServer) -> None:
+def test_unconstrained_greedy_answers_are_unchanged(client: openai.OpenAI) -> None:
     reference = Llama(model_path=str(default_model_path()), verbose=False,
                       **ServerConfig(n_ctx=N_CTX).context_options())
     try:
@@ -441,7 +534,6 @@ def test_unconstrained_greedy_answers_are_unchanged(server: LiveServer) -> None:
                                                       tool_choice="auto")
     finally:
         reference.close()
-    client = server.client(max_retries=0, timeout=120)
     for _ in range(2):  # before and after a constrained request on the same context
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
         assert reply.choices[0].message.content == expected["choices"][0]["message"]["content"]

@@ -10,7 +10,7 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.protocol`: request validation.
 - :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
 - :mod:`.constraints`: structured outputs (JSON schemas compiled on llguidance, enforced per sequence).
-- :mod:`.tool_calls`: a named function's answer in OpenAI's tool-call shapes.
+- :mod:`.responses`: structured answers in OpenAI's shapes (a named function's call as ``tool_calls``).
 - :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
 - :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
 - :mod:`.compute`: the one thread on which every context evaluates, in rounds.

@@ -16,8 +16,8 @@ llama-cpp-python's server's shapes; its evaluations run on the engine's one comp
 (:mod:`.compute`). A request for structured output (``response_format: {"type": "json_object"}``, a
 named ``tool_choice``) has its constraint compiled in a thread too, before it is queued
 (:mod:`.constraints`; a schema it refuses is a 400), and runs with it as the completion's logits
-processor, never with llama-cpp-python's grammar; a named function's answer is reshaped into a tool
-call (:mod:`.tool_calls`). A client that disconnects (while queued, generating or streaming)
+processor, never with llama-cpp-python's grammar; its answer is shaped as OpenAI's (a named
+function's call as ``tool_calls``, :mod:`.responses`). A client that disconnects (while queued, generating or streaming)
 has its generation stopped at the next token. A stream ends with its last chunk, while the worker
 thread goes on to save the completion's state into the prompt cache (see :meth:`.SlotPool.answered`).
 The slot is released when its worker thread is done, never before, whatever happens to the request's
@@ -82,7 +82,7 @@ from llama_cache.server.contexts import (
     prompt_tokens_for_chat,
 )
 from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, SlotPool, run_job
-from llama_cache.server.tool_calls import as_function_call, as_function_call_chunks
+from llama_cache.server.responses import structured_chunks, structured_completion
 
 __all__ = ["DrainingServer", "Engine", "create_app", "load_engine"]
 
@@ -421,11 +421,11 @@ class _Server:
                 messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
                 logits_processor=llama_cpp.LogitsProcessorList([constraint]),
                 **parsed.template_options, **parsed.options)
-            if structured.function is None:
-                return result
             if parsed.stream:
-                return as_function_call_chunks(result, structured.function, legacy=structured.legacy)
-            return as_function_call(result, structured.function, legacy=structured.legacy)
+                return structured_chunks(result, function=structured.function, legacy=structured.legacy,
+                                         cut_short=lambda: constraint.error is not None)
+            return structured_completion(result, function=structured.function, legacy=structured.legacy,
+                                         cut_short=constraint.error is not None)
 
         return constrained
 

@@ -66,14 +66,18 @@ class ConstraintError(ValueError):
 
 @dataclass(frozen=True)
 class ConstraintLimits:
-    """Bounds on what one schema may cost; a schema past any of them is refused.
+    """Bounds on what one schema may cost: llguidance's ``LLParserLimits``, tighter than its defaults.
 
-    The first four are llguidance's ``LLParserLimits``; llguidance's own measured speeds give the
-    worst cases: ``initial_lexer_fuel`` bounds building the lexer (about 50,000 units per ms),
-    ``step_lexer_fuel`` and ``step_max_items`` one token's mask (about 14,000 and 20,000 units per ms:
-    at most ~7 ms and ~2.5 ms here), ``max_lexer_states`` the lexer's memory (1-2 kB per state).
-    ``max_items_in_row`` bounds one grammar rule's alternatives, ``max_grammar_size`` the grammar's
-    symbols.
+    By llguidance's own measured speeds, ``initial_lexer_fuel`` bounds building the lexer (about 50,000
+    units per ms), ``step_lexer_fuel`` and ``step_max_items`` one token's mask (about 14,000 and 20,000
+    units per ms: at most ~7 ms and ~2.5 ms here); ``max_items_in_row`` bounds one grammar rule's
+    alternatives, ``max_grammar_size`` the grammar's symbols. A schema past any of these when it is
+    compiled, or at its first token, is refused.
+
+    ``max_lexer_states`` bounds the lexer's memory (it builds states lazily, 1-2 kB each): a string
+    with a large ``maxLength`` adds states as it grows (measured: a ``maxLength: 100000`` string reaches
+    100,000 states after about 19,000 characters, some 5,000 tokens, more than a 4096-token context
+    holds). A sequence that reaches it stops there (see :class:`SequenceConstraint`).
     """
 
     max_grammar_size: int = 200_000
@@ -81,7 +85,7 @@ class ConstraintLimits:
     initial_lexer_fuel: int = 1_000_000
     step_lexer_fuel: int = 100_000
     step_max_items: int = 50_000
-    max_lexer_states: int = 50_000
+    max_lexer_states: int = 100_000
 
     def parser_limits(self) -> llguidance.LLParserLimits:
         """These bounds as llguidance's ``LLParserLimits`` (error messages without the grammar's text)."""
@@ -100,7 +104,8 @@ class ConstraintCompiler:
     """Compiles JSON schemas into :class:`SequenceConstraint` for one model's vocabulary.
 
     Args:
-        vocab: the model's ``llama_vocab`` pointer (``llama_cpp.llama_model_get_vocab``).
+        vocab: the model's ``llama_vocab`` pointer (``llama_cpp.llama_model_get_vocab``); the model
+            must outlive the compiler.
         n_vocab: the size of the model's logits rows (tokens past the vocabulary are never allowed).
         limits: the bounds every schema must fit.
 
@@ -182,7 +187,7 @@ def _closed_objects(schema: Any) -> Any:
 
 def _refusal(message: str) -> ConstraintError:
     lowered = message.lower()
-    too_complex = any(word in lowered for word in ("limit", "too many", "too large", "too complex", "fuel"))
+    too_complex = any(word in lowered for word in ("limit", "too many", "too big", "too large", "too complex", "fuel"))
     return ConstraintError(f"the schema cannot be enforced: {message}",
                            "schema_too_complex" if too_complex else "invalid_schema")
 
@@ -193,12 +198,14 @@ class SequenceConstraint:
     Made by :meth:`ConstraintCompiler.compile`. Use it for one generation: as llama-cpp-python's
     ``logits_processor`` (``__call__``), or through :meth:`advance` and :meth:`mask`.
 
-    A grammar that fails while generating (a limit reached on a later token, a token it cannot take)
-    does not raise: the failure is logged, :attr:`error` says what it was, and from then on only the
-    end-of-generation tokens are allowed, so the generation ends at the next token.
+    A grammar that fails while generating (a limit reached on a later token, such as the lexer's
+    states; a token it cannot take) does not raise: the failure is logged, :attr:`error` says what it
+    was, and from then on only the end-of-generation tokens are allowed, so the generation ends at the
+    next token, its text cut short.
 
-    Cost per token: llguidance's mask computation (bounded by the step limits; tens of microseconds for
-    typical JSON) plus O(n_vocab) numpy work to apply it. Not thread-safe: one thread at a time.
+    Cost per token: consuming the sampled token and llguidance's mask computation (bounded by the step
+    limits) plus O(n_vocab) numpy work to apply the mask; 250-350 us of CPU in all with a 49,152-token
+    vocabulary (``benchmarks/constraints.py``). Not thread-safe: one thread at a time.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, tokenizer_vocab: int, n_vocab: int,
