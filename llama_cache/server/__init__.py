@@ -15,6 +15,8 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
 - :mod:`.compute`: the one thread on which every context evaluates, in rounds.
 - :mod:`.metrics`: the Prometheus metrics, in a registry per app.
+- :mod:`.transport`: the body read (bounded in size and time), disconnects, server-sent events.
+- :mod:`.engine`: what a server serves: the contexts, their shared prompt cache, the request limits.
 - :mod:`.app`: the routes (Starlette), the worker threads, shutdown.
 
 :func:`serve` runs it under uvicorn until SIGTERM or SIGINT.
@@ -28,7 +30,8 @@ import threading
 from types import FrameType
 
 from llama_cache.server.access import is_loopback
-from llama_cache.server.app import DrainingServer, Engine, create_app, load_engine
+from llama_cache.server.app import DrainingServer, create_app
+from llama_cache.server.engine import Engine, load_engine
 from llama_cache.server.config import ServerConfig
 
 __all__ = ["DrainingServer", "Engine", "ServerConfig", "create_app", "load_engine", "serve"]

@@ -32,14 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import llama_cpp
@@ -50,21 +47,13 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
 
-from llama_cache._model import default_model_path
-from llama_cache.caches.base import BaseLlamaCache
-from llama_cache.caches.disk import LlamaDiskCache
-from llama_cache.caches.ram import LlamaRAMCache
-from llama_cache.caches.redis_tier import LlamaRedisCache, redact_url
-from llama_cache.caches.tiered import TieredCache
 from llama_cache.server.access import access_middleware
-from llama_cache.server.compute import ComputeThread
-from llama_cache.server.config import DEFAULT_BODY_TIMEOUT, ServerConfig
-from llama_cache.server.constraints import ConstraintCompiler, ConstraintError, SequenceConstraint
+from llama_cache.server.config import ServerConfig
+from llama_cache.server.constraints import ConstraintError, SequenceConstraint
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.errors import ApiError
-from llama_cache.server.limits import PromptTextBound, RequestLimits, check_json_values, check_schema
+from llama_cache.server.limits import check_json_values, check_schema
 from llama_cache.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -74,21 +63,21 @@ from llama_cache.server.protocol import (
     context_length_error,
     parse_json_body,
 )
+from llama_cache.server.engine import Engine
+from llama_cache.server.transport import END, Disconnect, EventStream, read_body
 from llama_cache.server.contexts import (
     PromptTooLong,
     RenderingCancelled,
     SlotLlama,
-    TokenizationMemo,
     prompt_tokens_for_chat,
 )
-from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, SlotPool, run_job
+from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, run_job
 from llama_cache.server.responses import structured_chunks, structured_completion
 
-__all__ = ["DrainingServer", "Engine", "create_app", "load_engine"]
+__all__ = ["DrainingServer", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-_END = object()
 RETRY_AFTER_SECONDS = 1
 DRAIN_MARGIN = 2.0
 """Seconds before uvicorn's shutdown timeout at which a drain answers what is left (see ``_Server.drain``)."""
@@ -96,190 +85,8 @@ DRAIN_MARGIN = 2.0
 CLIENT_CLOSED = 499
 
 
-@dataclass
-class Engine:
-    """What the app serves: the slots, their shared prompt cache, their compute thread and the model's name.
-
-    ``constraints`` compiles the structured outputs requests ask for, for the model's vocabulary.
-    """
-
-    pool: SlotPool
-    compute: ComputeThread
-    cache: BaseLlamaCache
-    tiers: list[tuple[str, BaseLlamaCache]]  # (name, cache), fastest first
-    model_name: str
-    n_ctx: int
-    n_vocab: int
-    created: int
-    limits: RequestLimits
-    text_bound: PromptTextBound
-    constraints: ConstraintCompiler
-    closed: bool = False
-
-    def close(self) -> None:
-        """Flush the cache's background writes and free every context, once. Call with no job running."""
-        if self.closed:
-            return
-        self.closed = True
-        close = getattr(self.cache, "close", None)
-        if close is not None:
-            close()  # flushes background writes to the slower tiers
-        self.compute.close()
-        for slot in self.pool.slots:
-            slot.llama.close()
-
-
-def load_engine(config: ServerConfig) -> Engine:
-    """Load ``config.parallel`` contexts of the model around one shared prompt cache.
-
-    The model file is memory-mapped by each context's load, so the weights' pages are shared by the
-    operating system (CPU backend); each context has its own KV memory. Every context evaluates on
-    one :class:`~.compute.ComputeThread`.
-
-    Raises:
-        FileNotFoundError: the model file does not exist.
-        ValueError: llama.cpp could not load it.
-    """
-    path = Path(config.model_path) if config.model_path is not None else default_model_path()
-    if not path.is_file():
-        raise FileNotFoundError(f"model file not found: {path}")
-    tiers: list[tuple[str, BaseLlamaCache]] = [("ram", LlamaRAMCache(capacity_bytes=config.cache_ram))]
-    if config.cache_dir is not None:
-        tiers.append(("disk", LlamaDiskCache(config.cache_dir, capacity_bytes=config.cache_disk)))
-    if config.redis_url is not None:
-        tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
-        logger.info("prompt cache: sharing states through Redis at %s", redact_url(config.redis_url))
-    cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
-    options = config.context_options()
-    compute = ComputeThread()
-    tokenized = TokenizationMemo(max_tokens=config.n_ctx)
-    slots = []
-    try:
-        for index in range(config.parallel):
-            llama = SlotLlama(model_path=str(path), verbose=False, **options)
-            llama.set_cache(cache)  # binds unbound disk and Redis tiers to this model
-            llama.use_compute(compute)
-            llama.tokenized = tokenized
-            slots.append(Slot(index=index, llama=llama))
-        constraints = ConstraintCompiler.for_llama(slots[0].llama)
-    except BaseException:
-        compute.close()
-        for slot in slots:
-            slot.llama.close()
-        raise
-    for slot in slots:
-        slot.llama.siblings = [other.llama for other in slots]
-    first = slots[0].llama
-    text_bound = PromptTextBound.for_model(first, first.n_ctx())
-    return Engine(
-        pool=SlotPool(slots, config.max_queue, cached=tiers[0][1].match_length),
-        compute=compute,
-        cache=cache,
-        tiers=tiers,
-        model_name=config.model_alias or path.stem,
-        n_ctx=first.n_ctx(),
-        n_vocab=first.n_vocab(),
-        created=int(time.time()),
-        limits=RequestLimits(max_messages=config.max_messages, max_prompt_bytes=text_bound.max_bytes),
-        text_bound=text_bound,
-        constraints=constraints,
-    )
-
-
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-async def read_body(request: Request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT) -> bytes:
-    """The request's body, refused once it passes ``limit`` bytes or takes more than ``timeout`` seconds.
-
-    A body declared larger (``Content-Length``) is refused before any of it is read; one sent in chunks
-    is read up to the first chunk past the limit. Memory held is at most ``limit`` plus one chunk. The
-    deadline bounds the whole read, from this call to the body's last byte: a client trickling its body
-    (a byte a second) is refused when it passes, and nothing more of that body is read.
-
-    Raises:
-        ApiError: 413 with code ``request_too_large``; 408 with code ``request_timeout`` and
-            ``Connection: close`` (the server then drops the connection, the rest of the body unread).
-    """
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    try:
-        return await asyncio.wait_for(_read_chunks(request, limit), timeout)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {timeout:g} seconds",
-                       code="request_timeout", headers={"Connection": "close"}) from None
-
-
-async def _read_chunks(request: Request, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
-                    code="request_too_large")
-
-
-class _Disconnect:
-    """Watches a request's ``receive`` channel and cancels its job when the client goes away."""
-
-    def __init__(self, request: Request, job: Job) -> None:
-        self.gone = asyncio.Event()
-        self._job = job
-        self._task = asyncio.ensure_future(self._watch(request.receive))
-
-    async def _watch(self, receive: Receive) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self._job.cancel.set()
-                self.gone.set()
-                return
-
-    def close(self) -> None:
-        self._task.cancel()
-
-
-class _EventStream(Response):
-    """A ``text/event-stream`` response fed by a worker thread through an asyncio queue."""
-
-    def __init__(self, queue: asyncio.Queue[Any], finish: Callable[[], None]) -> None:
-        # Not Response.__init__: it would declare a Content-Length of 0.
-        self.status_code = 200
-        self.background = None
-        self.raw_headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no"),
-        ]
-        self._queue = queue
-        self._finish = finish
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            while True:
-                item = await self._queue.get()
-                if item is _END:
-                    break
-                if isinstance(item, ApiError):
-                    payload = json.dumps(item.body())
-                else:
-                    payload = json.dumps(item, ensure_ascii=False)
-                await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
-        except OSError:  # the client went away while we wrote (ASGI 2.4 servers raise)
-            pass
-        finally:
-            self._finish()
 
 
 class _Server:
@@ -438,7 +245,7 @@ class _Server:
         except ApiError as error:
             return self._answer(endpoint, _error_response(error))
         job = Job(started_at=started)
-        watcher = _Disconnect(request, job)
+        watcher = Disconnect(request, job)
         handed_over = False
         try:
             try:
@@ -464,7 +271,7 @@ class _Server:
                 def answered(live: npt.NDArray[np.intc]) -> None:
                     # The client has every chunk: end its stream now, not after the cache save.
                     self.engine.pool.answered(slot, live)
-                    queue.put_nowait(_END)
+                    queue.put_nowait(END)
 
                 future = self._start(slot, job, call,
                                      emit=lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk),
@@ -477,7 +284,7 @@ class _Server:
                     watcher.close()
                     self.streams.discard(queue)
 
-                return _EventStream(queue, finish=finish)
+                return EventStream(queue, finish=finish)
             future = self._start(slot, job, call, None)
             cut = asyncio.ensure_future(self.cut.wait())
             try:
@@ -509,7 +316,7 @@ class _Server:
             if not handed_over:
                 watcher.close()
 
-    async def _acquire(self, endpoint: str, tokens: list[int], watcher: _Disconnect) -> Slot | None:
+    async def _acquire(self, endpoint: str, tokens: list[int], watcher: Disconnect) -> Slot | None:
         """A slot, or None when the client left while queued.
 
         Raises:
@@ -578,7 +385,7 @@ class _Server:
             self._record(endpoint, job, 400 if isinstance(error, ValueError) else 500)
             queue.put_nowait(ApiError(400 if isinstance(error, ValueError) else 500, str(error),
                                       type="invalid_request_error" if isinstance(error, ValueError) else "server_error"))
-        queue.put_nowait(_END)
+        queue.put_nowait(END)
 
     def _record(self, endpoint: str, job: Job, status: int) -> None:
         metrics = self.metrics
@@ -610,7 +417,7 @@ class _Server:
                 job.cancel.set()
         for queue in list(self.streams):
             queue.put_nowait(_shutting_down())
-            queue.put_nowait(_END)
+            queue.put_nowait(END)
 
     async def shutdown(self) -> None:
         """Cancel what still runs, wait for the worker threads, flush the cache, free the contexts."""
