@@ -35,7 +35,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,7 +53,7 @@ from llama_cache.server.config import ServerConfig
 from llama_cache.server.constraints import ConstraintError, SequenceConstraint
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.errors import ApiError
-from llama_cache.server.limits import check_json_values, check_schema
+from llama_cache.server.limits import check_json_values
 from llama_cache.server.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -182,8 +182,6 @@ class _Server:
             param = "prompt"
         else:
             parsed = parse_chat_request(body, engine.n_ctx, engine.n_vocab, limits)
-            for param, schema in _schemas(parsed):
-                check_schema(schema, param, limits)
             try:
                 tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, bound=engine.text_bound,
                                                 cancelled=job.cancel.is_set, **parsed.template_options)
@@ -428,15 +426,6 @@ class _Server:
             await asyncio.wait(set(self.worker_futures))
         self.executor.shutdown(wait=True)
         await asyncio.to_thread(self.engine.close)
-
-
-def _schemas(parsed: ChatRequest) -> Iterator[tuple[str, Any]]:
-    """The JSON schemas a chat request carries (tools' parameters), each with the field it came from."""
-    for name in ("tools", "functions"):
-        for index, entry in enumerate(parsed.template_options.get(name) or ()):
-            function = entry.get("function", entry) if isinstance(entry, dict) else None
-            if isinstance(function, dict) and "parameters" in function:
-                yield f"{name}[{index}].parameters", function["parameters"]
 
 
 def _shutting_down() -> ApiError:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llama_cache.server.errors import ApiError
-from llama_cache.server.limits import RequestLimits, limit_error
+from llama_cache.server.limits import RequestLimits, check_schema, limit_error
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
            "parse_json_body"]
@@ -391,7 +391,7 @@ def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any],
     if isinstance(declared, list) and len(declared) > limits.max_tools:
         raise limit_error(list_param, f"holds {len(declared)} functions; this server accepts at most "
                           f"{limits.max_tools}")
-    schemas = _function_schemas(list_param, declared, legacy) if declared is not None else {}
+    schemas = _function_schemas(list_param, declared, legacy, limits) if declared is not None else {}
     choice = body.get(choice_param)
     options: dict[str, Any] = {list_param: declared} if schemas else {}
     if choice is None:
@@ -417,8 +417,10 @@ def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any],
     return options, StructuredOutput(schema=schemas[name], param=list_param, function=name, legacy=legacy)
 
 
-def _function_schemas(param: str, declared: object, legacy: bool) -> dict[str, dict[str, Any]]:
-    """Each declared function's name and the JSON schema of its arguments, in order.
+def _function_schemas(param: str, declared: object, legacy: bool,
+                      limits: RequestLimits) -> dict[str, dict[str, Any]]:
+    """Each declared function's name and the JSON schema of its arguments, in order, each schema checked
+    against ``limits`` (:func:`.limits.check_schema`) before anything renders or compiles it.
 
     ``tools`` items are ``{"type": "function", "function": {...}}``; ``functions`` items are the
     function objects themselves: ``{"name", "description"?, "parameters"?, "strict"?}``.
@@ -452,5 +454,7 @@ def _function_schemas(param: str, declared: object, legacy: bool) -> dict[str, d
         parameters = function.get("parameters")
         if parameters is not None and not isinstance(parameters, dict):
             raise _value_error(param, f"{where}.parameters must be a JSON schema object, got {_short(parameters)}")
+        if parameters is not None:
+            check_schema(parameters, f"{param}[{index}].parameters", limits)
         schemas[name] = parameters if parameters is not None else NO_PARAMETERS
     return schemas
