@@ -18,7 +18,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llama_cache.server import DrainingServer, ServerConfig, create_app, load_engine
 
-__all__ = ["LiveServer", "free_port"]
+__all__ = ["LiveServer", "free_port", "rss_bytes"]
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (the in-process servers' memory included)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
 
 
 def free_port() -> int:

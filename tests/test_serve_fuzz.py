@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_cache.server import ServerConfig
-from tests.live_server import LiveServer
+from tests.live_server import LiveServer, rss_bytes
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -148,14 +148,6 @@ def _requests(draw: st.DrawFn) -> tuple[str, bytes, bool]:
     return path, raw, draw(st.integers(0, 9)) == 0
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_no_request_crashes_stalls_or_changes_the_server(server: LiveServer) -> None:
     before = httpx.post(server.url + _COMPLETIONS, json=_FIXED, timeout=ANSWER_TIMEOUT).json()["choices"][0]["text"]
     statuses: dict[int, int] = {}
@@ -183,7 +175,7 @@ def test_no_request_crashes_stalls_or_changes_the_server(server: LiveServer) -> 
 
     one_request()
     assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
-    assert _rss_bytes() < RSS_BOUND
+    assert rss_bytes() < RSS_BOUND
     after = httpx.post(server.url + _COMPLETIONS, json=_FIXED, timeout=ANSWER_TIMEOUT).json()["choices"][0]["text"]
     assert after == before
     assert statuses.get(200, 0) > 0 and sum(v for k, v in statuses.items() if 400 <= k < 500) > 0, statuses

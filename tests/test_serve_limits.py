@@ -27,7 +27,7 @@ from llama_cache.server.contexts import (
 )
 from llama_cache.server.limits import PromptTextBound, RequestLimits, check_schema
 from llama_cache.server.errors import ApiError
-from tests.live_server import LiveServer
+from tests.live_server import LiveServer, rss_bytes
 
 N_CTX = 512
 _USER = [{"role": "user", "content": "Say hi."}]
@@ -149,14 +149,6 @@ def test_schemas_within_the_limits_are_accepted(server: LiveServer) -> None:
     assert response.status_code == 200, response.text
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 @pytest.mark.model
 def test_refused_huge_prompts_do_not_pin_memory(server: LiveServer) -> None:
     """32 different 7.8 MB prompts, each refused: the memo keeps none of them and RSS stays bounded."""
@@ -164,14 +156,14 @@ def test_refused_huge_prompts_do_not_pin_memory(server: LiveServer) -> None:
     assert memo is not None
     size = 7_800_000
     _post(server, _COMPLETIONS, {"prompt": "warm-up " * (size // 8)})  # the first one's buffers
-    before = _rss_bytes()
+    before = rss_bytes()
     for index in range(32):
         words = f"prompt {index} has words " * (size // 24)
         path, body = ((_COMPLETIONS, {"prompt": words}) if index % 2 else
                       (_CHAT, {"messages": [{"role": "user", "content": words}]}))
         response = _post(server, path, body)
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
-    grown = _rss_bytes() - before
+    grown = rss_bytes() - before
     assert grown < 150 << 20, f"RSS grew by {grown >> 20} MiB"
     assert memo.nbytes <= memo.capacity_bytes
     assert all(len(key[0]) < size for key in memo._entries)  # noqa: SLF001 - what it keeps
@@ -229,10 +221,11 @@ def test_the_text_bound_refuses_only_texts_that_cannot_fit() -> None:
     assert bound.overflow(b"<|im_end|>" * 256, special=False) is None  # parsed as text, it is just bytes
     assert bound.overflow(b"<|im_end|>" * 200 + b"hello", special=True) is None
     assert bound.overflow(b"a" * (bound.max_bytes + 1), special=False) is not None
-    # Whatever passes, the tokenizer agrees could fit: each refusal is sound.
-    for text in (b"<|im_start|>" * 255, b"x" * (256 * 3)):
-        if bound.overflow(text, special=True) is not None:
-            assert len(llama.tokenize(text, add_bos=False, special=True)) >= 256
+    # Each refusal is sound: the tokenizer gives the refused texts at least n_ctx tokens.
+    refused = [b"<|im_start|>" * 256, b"<|im_end|>x" * 256]
+    for text in refused:
+        assert bound.overflow(text, special=True) is not None
+        assert len(llama.tokenize(text, add_bos=False, special=True)) >= 256
 
 
 @pytest.mark.parametrize(("schema", "ok"), [
