@@ -55,7 +55,9 @@ Prints a table and writes ``benchmarks/results/serve.json``::
     tools/run python benchmarks/serve.py --servers llama-cache --with-api-key --rounds 5   # the key's cost
 
 ``--scenario noisy`` runs ``benchmarks/serve_noisy.py`` instead (normal requests' latency beside clients
-sending the worst requests the limits accept; see its docstring), with its own options.
+sending the worst requests the limits accept; see its docstring), with its own options; ``--scenario
+structured`` runs ``benchmarks/serve_structured.py`` (structured outputs' cost per token and ``n`` = 4
+against 4 separate requests, beside llama-server; see its docstring).
 """
 
 from __future__ import annotations
@@ -375,12 +377,16 @@ def llama_server_version(llama_server: Path | None) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     scenario = argparse.ArgumentParser(add_help=False)
-    scenario.add_argument("--scenario", choices=("workload", "noisy"), default="workload")
+    scenario.add_argument("--scenario", choices=("workload", "noisy", "structured"), default="workload")
     chosen, rest = scenario.parse_known_args(argv)
     if chosen.scenario == "noisy":
         from benchmarks import serve_noisy
 
         return serve_noisy.main(rest)
+    if chosen.scenario == "structured":
+        from benchmarks import serve_structured
+
+        return serve_structured.main(rest)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[scenario])
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--with-api-key", action="store_true",
