@@ -12,7 +12,7 @@ to round (``--rounds``, default 3), and measures two things on it:
    strings with ``pattern``), as ``response_format: {"type": "json_schema", "json_schema": {"name",
    "schema", "strict": true}}``, and ``json_object`` (``response_format: {"type": "json_object"}``).
    Every case's prompt is sent once unconstrained before the round's measures, so every measured
-   request finds its prompt cached. Then, ``--repeats`` times (default 1), for every case, the request
+   request finds its prompt cached. Then, ``--repeats`` times (default 2), for every case, the request
    without and with the constraint (which goes first alternates). The client measures, on both servers
    alike, the time to first token (from sending the request to the first non-empty content delta) and
    the time per generated token, (last content delta - first content delta) / (content deltas - 1).
@@ -31,18 +31,19 @@ to round (``--rounds``, default 3), and measures two things on it:
    limit. Per server and round:
 
    - ``prompt``: one request with ``max_tokens`` 1 (one prompt evaluation);
-   - ``single``: one request with ``--n-max-tokens`` (a prompt evaluation and one generation; its
-     generation time is ``single - prompt``);
+   - ``single``: one request with ``--n-max-tokens`` on ``prompt``'s prompt, which it finds cached: one
+     generation (measured directly rather than as the difference of two noisy wall times);
    - ``n4``: one request with ``n`` 4;
    - ``separate4``: 4 requests one after another on one prompt, with seeds 7, 8, 9, 10 (choice ``i``'s
      seed in ``n4``): the first evaluates the prompt, the others find it cached.
 
    Prompt tokens evaluated: from each server's ``/metrics``, read before and after each measure (ours:
    ``llama_cache_prompt_tokens_total - llama_cache_prompt_tokens_cached_total``; ``llama-server``,
-   started with ``--metrics`` for this: ``llamacpp:prompt_tokens_total``, the tokens it processed). Targets (ours): ``n4`` evaluates at most the request's prompt tokens
-   (the prompt once), in every round; and its wall time is at most ``prompt + 4 x (single - prompt)``
-   plus 10% (the median over rounds of each round's ratio). ``llama-server`` answers ``n`` up to its
-   slots (``-np``; 4 here) with that many choices, generated in as many slots.
+   started with ``--metrics`` for this: ``llamacpp:prompt_tokens_total``, the tokens it processed).
+   Targets (ours): ``n4`` evaluates at most the request's prompt tokens (the prompt once), in every
+   round; and its wall time is at most ``prompt + 4 x single`` plus 10% (the median over rounds of each
+   round's ratio). ``llama-server`` answers ``n`` up to its slots (``-np``; 4 here) with that many
+   choices, generated in as many slots.
 
 A request the server refuses (4xx, as ours does for ``json_schema`` and ``n`` > 1 before they are
 supported) is recorded as "unsupported" with the server's message, and its targets as "not measured".
@@ -289,13 +290,15 @@ def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any
 
 
 def n_round(client: httpx.Client, url: str, prompts: NPrompts, max_tokens: int) -> dict[str, Any]:
-    """``prompt``, ``single``, ``n4`` and ``separate4`` (see the module's docstring), each on a fresh prompt."""
+    """``prompt``, ``single``, ``n4`` and ``separate4`` (see the module's docstring): ``single`` on ``prompt``'s
+    prompt, the others each on a fresh one."""
     def body(messages: list[dict[str, str]], tokens: int, **extra: Any) -> dict[str, Any]:
         return {"messages": messages, "max_tokens": tokens, "temperature": 0.8, "top_p": 0.95, "seed": N_SEED,
                 "logit_bias": prompts.no_end, **extra}
 
-    measures = {"prompt": _post(client, url, body(prompts.messages(), 1)),
-                "single": _post(client, url, body(prompts.messages(), max_tokens)),
+    cold = prompts.messages()
+    measures = {"prompt": _post(client, url, body(cold, 1)),
+                "single": _post(client, url, body(cold, max_tokens)),
                 "n4": _post(client, url, body(prompts.messages(), max_tokens, n=N))}
     messages = prompts.messages()
     separate = [_post(client, url, body(messages, max_tokens, seed=N_SEED + i)) for i in range(N)]
@@ -318,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", type=lambda text: [c for c in text.split(",") if c], default=list(CASES),
                         help=f"structured-output cases (default: all, {','.join(CASES)})")
-    parser.add_argument("--repeats", type=int, default=1, help="measures of every case and mode per round")
+    parser.add_argument("--repeats", type=int, default=2, help="measures of every case and mode per round")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per structured-output answer")
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="prompt length of the n measures")
     parser.add_argument("--n-max-tokens", type=int, default=32, help="tokens per choice of the n measures")
@@ -439,7 +442,7 @@ def _n_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "completion_tokens": _spread([m["completion_tokens"] for m in measures
                                           if m["completion_tokens"] is not None])}
     if summary["prompt"]["refused"] is None and summary["single"]["refused"] is None:
-        bounds = [r["prompt"]["wall"] + N * (r["single"]["wall"] - r["prompt"]["wall"]) for r in rows]
+        bounds = [r["prompt"]["wall"] + N * r["single"]["wall"] for r in rows]
         summary["bound_s"] = _spread(bounds)
         for kind in ("n4", "separate4"):
             if summary[kind]["refused"] is None:
@@ -574,7 +577,7 @@ def _table(results: dict[str, Any]) -> str:
                              f"{over_text:>20}")
             if n.get("bound_s"):
                 b = n["bound_s"]
-                lines.append(f"{name:<13} bound: prompt + {N} x (single - prompt) = {b['median']:.3f} s "
+                lines.append(f"{name:<13} bound: prompt + {N} x single = {b['median']:.3f} s "
                              f"({b['min']:.3f}-{b['max']:.3f})")
     targets = results["targets"]
     if targets:
