@@ -506,11 +506,17 @@ def _targets(summary: dict[str, Any]) -> dict[str, Any]:
         n4 = n["n4"]
         once = None if n4["refused"] else f"{n4['evaluated_once_rounds']}/{n['rounds']} rounds"
         over = _median(n4, "over_bound")
+        wall = _median(n4, "wall_s")
+        separate = _median(n["separate4"], "wall_s")
+        other = _median(theirs["n"]["n4"], "wall_s") if theirs and theirs["n"] else None
         targets["n"] = {
             "prompt_evaluated_once": {"rounds": once, "verdict": "not measured" if once is None else
                                       "met" if n4["evaluated_once_rounds"] == n["rounds"] else "missed"},
             "wall_vs_prompt_plus_4_generations": {"ratio": over, "target": N_WALL_TARGET,
                                                   "verdict": _verdict(over, N_WALL_TARGET)},
+            # No targets: n4's wall time over 4 separate requests' and over llama-server's n4.
+            "wall_vs_separate4": None if wall is None or not separate else wall / separate,
+            "wall_vs_llama_server": None if wall is None or not other else wall / other,
         }
     return targets
 
@@ -592,7 +598,10 @@ def _table(results: dict[str, Any]) -> str:
         if "n" in targets:
             once, wall = targets["n"]["prompt_evaluated_once"], targets["n"]["wall_vs_prompt_plus_4_generations"]
             lines.append(f"  n = {N}: prompt evaluated once in {once['rounds'] or '-'}: {once['verdict']}; wall time "
-                         f"{x(wall['ratio'])} of prompt + {N} generations (<= {N_WALL_TARGET:.1f}x): {wall['verdict']}")
+                         f"{x(wall['ratio'])} of prompt + {N} generations (<= {N_WALL_TARGET:.1f}x): "
+                         f"{wall['verdict']}; "
+                         f"{x(targets['n']['wall_vs_separate4'])} of {N} separate requests', "
+                         f"{x(targets['n']['wall_vs_llama_server'])} of llama-server's n = {N}")
     return "\n".join(lines)
 
 
