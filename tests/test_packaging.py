@@ -1,4 +1,4 @@
-"""The package as pip installs it: what ``import llama_cache`` loads, and what the package must declare.
+"""The package as pip installs it: what ``import llama_cache`` loads, and what pyproject.toml must declare.
 
 The installed wheel itself (its files, its console script, a clean environment) is checked by
 ``tools/check_wheel``, which CI runs after the suite.
@@ -18,9 +18,15 @@ import llama_cache
 from llama_cache.caches import redis_tier
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "llama_cache"
-# Code that only the `testing` extra's users import may depend on that extra.
-TESTING_PACKAGE = PACKAGE / "testing"
+# What the code under each folder may import: pyproject.toml's groups (`dependencies` or extras), the
+# most specific folder first. The package itself only what `pip install llama-cache` installs.
+ALLOWED_GROUPS = [
+    ("llama_cache/testing", ("dependencies", "testing")),
+    ("llama_cache", ("dependencies",)),
+    ("tests", ("dependencies", "testing", "dev")),
+    ("benchmarks", ("dependencies", "testing", "benchmark")),
+]
+LOCAL_MODULES = {"llama_cache", "tests", "benchmarks"}
 
 
 def test_import_does_not_load_redis(tmp_path: Path) -> None:
@@ -68,15 +74,18 @@ def _requirement_names(requirements: list[str]) -> set[str]:
 
 def test_every_third_party_import_is_declared() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    runtime = _requirement_names(project["dependencies"])
-    testing = runtime | _requirement_names(project["optional-dependencies"]["testing"])
+    groups = {"dependencies": project["dependencies"], **project["optional-dependencies"]}
     distributions = metadata.packages_distributions()
     undeclared = []
-    for source in sorted(PACKAGE.rglob("*.py")):
-        declared = testing if TESTING_PACKAGE in source.parents else runtime
-        for module in sorted(_top_level_imports(source) - set(sys.stdlib_module_names) - {"llama_cache"}):
-            # A module no installed distribution provides is undeclared too: nothing would install it.
-            providers = {_normalized(name) for name in distributions.get(module, [])}
-            if not providers & declared:
-                undeclared.append(f"{source.relative_to(ROOT)}: {module} (from {sorted(providers) or 'nothing'})")
+    for folder, allowed in ALLOWED_GROUPS:
+        declared = set().union(*(_requirement_names(groups[group]) for group in allowed))
+        inner = [ROOT / other for other, _ in ALLOWED_GROUPS if other.startswith(folder + "/")]
+        for source in sorted((ROOT / folder).rglob("*.py")):
+            if any(directory in source.parents for directory in inner):
+                continue
+            for module in sorted(_top_level_imports(source) - set(sys.stdlib_module_names) - LOCAL_MODULES):
+                # A module no installed distribution provides is undeclared too: nothing would install it.
+                providers = {_normalized(name) for name in distributions.get(module, [])}
+                if not providers & declared:
+                    undeclared.append(f"{source.relative_to(ROOT)}: {module} ({sorted(providers) or 'not installed'})")
     assert undeclared == []
