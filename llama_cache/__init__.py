@@ -8,7 +8,8 @@ The public API, exported once here:
   :class:`BaseLlamaCache`; :class:`TrieNode` is the radix tree's node. :class:`LlamaDiskCache` keeps
   states on disk: persistent, crash-safe, shared by processes, namespaced by model;
   :class:`CacheDirectoryError` when a directory cannot hold one. :class:`LlamaRedisCache` shares
-  states between processes and machines through Redis, as content-addressed KV chunks.
+  states between processes and machines through Redis, as content-addressed KV chunks; it is imported on
+  first access, so ``import llama_cache`` does not load redis-py.
   :class:`TieredCache` stacks caches fastest first: lookups read through and promote, stores reach
   the slower tiers in the background.
 - :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
@@ -21,12 +22,12 @@ The public API, exported once here:
 """
 
 import logging
+from typing import TYPE_CHECKING, Any
 
 from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.disk import CacheDirectoryError, LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
-from llama_cache.caches.redis_tier import LlamaRedisCache
 from llama_cache.caches.tiered import TieredCache
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.checkpoints import HybridCheckpoint, HybridCheckpointCache
@@ -34,11 +35,27 @@ from llama_cache.index import TrieNode
 from llama_cache.llama import Llama
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 
+if TYPE_CHECKING:
+    from llama_cache.caches.redis_tier import LlamaRedisCache
+
 LlamaCache = LlamaTrieCache
 
 # The library never prints: without this, an application that configured no logging would get our
 # warnings on stderr through logging's last-resort handler.
 logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str) -> Any:
+    # The Redis tier loads redis-py and hiredis (a C extension): only programs that use it pay for them.
+    if name == "LlamaRedisCache":
+        from llama_cache.caches.redis_tier import LlamaRedisCache
+
+        return LlamaRedisCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
 
 __all__ = [
     "BaseLlamaCache",

@@ -155,22 +155,29 @@ _BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": 7}, "invalid_value", "temperature"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, "invalid_type", "stream"),
     ("/v1/completions", {"prompt": "x", "stop": [1]}, "invalid_type", "stop"),
-    ("/v1/completions", {"prompt": "x", "n": 3}, "invalid_value", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "invalid_value", "n"),
+    ("/v1/completions", {"prompt": "x", "n": 9}, "invalid_value", "n"),
+    ("/v1/completions", {"prompt": "x", "n": "2"}, "invalid_type", "n"),
     ("/v1/completions", {"prompt": _LONG}, "context_length_exceeded", "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}]}, "context_length_exceeded",
      "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}], "stream": True},
      "context_length_exceeded", "messages"),
-    # Log probabilities are refused, never silently left out of the answer.
-    ("/v1/completions", {"prompt": "x", "logprobs": 0}, "unsupported_parameter", "logprobs"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 3, "stream": True}, "unsupported_parameter", "logprobs"),
+    # Log probabilities: 0-20 of them, for generated tokens only.
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "invalid_value", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": -1}, "invalid_value", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, "unsupported_parameter", "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": "all"}, "invalid_type", "logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-     "unsupported_parameter", "logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-     "unsupported_parameter", "top_logprobs"),
+     "invalid_value", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "invalid_value", "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"},
      "invalid_type", "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, "invalid_value",
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": 1}}, "invalid_type",
+     "stream_options.include_usage"),
 ]
 
 
@@ -199,16 +206,14 @@ def test_the_openai_client_sees_bad_input_as_bad_request(server: LiveServer) -> 
     assert client.completions.create(model="m", prompt="Hello", max_tokens=2, temperature=0).choices
 
 
-def test_log_probabilities_are_refused_and_their_absence_is_not(server: LiveServer) -> None:
+def test_prompt_log_probabilities_are_refused_and_absent_log_probabilities_are_none(server: LiveServer) -> None:
     client = server.client(max_retries=0)
     messages = [{"role": "user", "content": "Name a colour."}]
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model="m", messages=messages, max_tokens=4, logprobs=True, top_logprobs=2)
+        client.completions.create(model="m", prompt="Hello", max_tokens=2, logprobs=1, echo=True)
     assert raised.value.code == "unsupported_parameter" and "not supported" in raised.value.message
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="Hello", max_tokens=2, logprobs=1)
     reply = client.chat.completions.create(model="m", messages=messages, max_tokens=4, logprobs=False)
-    assert reply.choices[0].message.content is not None
+    assert reply.choices[0].message.content is not None and reply.choices[0].logprobs is None
 
 
 # ------------------------------------------------------------------------------------ big requests

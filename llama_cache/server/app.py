@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: one thin route per endpoint over a :class:`~.slots.SlotPool`.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
-``stream`` is true), ``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+``stream`` is true), ``GET /v1/models`` (each also without ``/v1``), ``POST /tokenize`` and
+``POST /detokenize`` (llama-server's shapes), ``GET /health``, ``GET /metrics``.
 
 Before any route, :mod:`.access` answers CORS preflights and refuses requests without a valid API key
 (when keys are configured).
@@ -10,14 +11,16 @@ A completion's life: the body is read (at most ``max_body_bytes``, else 413, wit
 seconds, else 408), then decoded, validated
 (:mod:`.protocol`) and its prompt tokenized in a thread, so that a huge prompt does not hold up the
 event loop and the other requests' streams; the request waits for a slot in FIFO order
-(:meth:`.SlotPool.acquire`); the completion runs in a worker thread (:func:`.slots.run_job`) on
-llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, so responses have
-llama-cpp-python's server's shapes; its evaluations run on the engine's one compute thread
-(:mod:`.compute`). A request for structured output (``response_format: {"type": "json_object"}``, a
-named ``tool_choice``) has its constraint compiled in a thread too, before it is queued
-(:mod:`.constraints`; a schema it refuses is a 400), and runs with it as the completion's logits
-processor, never with llama-cpp-python's grammar; its answer is shaped as OpenAI's (a named
-function's call as ``tool_calls``, :mod:`.responses`). A client that disconnects (while queued, generating or streaming)
+(:meth:`.SlotPool.acquire`); its ``n`` choices run in a worker thread (:func:`.slots.run_job`) on
+llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, one after another from one
+evaluation of the prompt, with OpenAI's additions (usage with cached tokens, log probabilities, the
+system fingerprint: :mod:`.choices`); its evaluations run on the engine's one compute thread
+(:mod:`.compute`). Each choice samples with its own :class:`~.sequences.SequenceSampling`. A request
+for structured output (``response_format`` ``json_object`` or ``json_schema``, a ``tool_choice`` that
+forces a call) has one constraint per choice compiled in a thread too, before it is queued
+(:mod:`.constraints`; a schema it refuses is a 400), each the logits processor of its choice, never
+llama-cpp-python's grammar; its answer is shaped as OpenAI's (a call as ``tool_calls``,
+:mod:`.responses`). A client that disconnects (while queued, generating or streaming)
 has its generation stopped at the next token. A stream ends with its last chunk, while the worker
 thread goes on to save the completion's state into the prompt cache (see :meth:`.SlotPool.answered`).
 The slot is released when its worker thread is done, never before, whatever happens to the request's
@@ -72,7 +75,9 @@ from llama_cache.server.contexts import (
     prompt_tokens_for_chat,
 )
 from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, run_job
-from llama_cache.server.responses import structured_chunks, structured_completion
+from llama_cache.server.responses import ANY_FUNCTION, structured_chunks, structured_completion
+from llama_cache.server.choices import ChoiceRun
+from llama_cache.server.sequences import LogitBias, Penalties, SequenceSampling, TokenLogprobs
 
 __all__ = ["DrainingServer", "create_app"]
 
@@ -131,6 +136,65 @@ class _Server:
             {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "llama-cache"},
         ]}
         return self._answer("/v1/models", JSONResponse(body))
+
+    async def tokenize(self, request: Request) -> Response:
+        """``POST /tokenize`` as llama-server: ``{"content", "add_special"?, "with_pieces"?}`` -> ``{"tokens"}``.
+
+        ``add_special`` (default false) adds the BOS token; special tokens' texts are parsed as such.
+        With ``with_pieces`` each token is ``{"id", "piece"}`` (the piece a string, or its bytes as a
+        list when they are not UTF-8). A text that cannot fit the context is a 400, as a prompt is.
+        """
+        try:
+            body = parse_json_body(await read_body(request, self.max_body_bytes, self.body_timeout))
+            content = body.get("content")
+            if not isinstance(content, str):
+                raise ApiError(400, "'content' must be a string", param="content", code="invalid_type")
+            flags = {name: body.get(name, False) for name in ("add_special", "with_pieces")}
+            for name, value in flags.items():
+                if not isinstance(value, bool):
+                    raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
+            engine = self.engine
+            text = content.encode("utf-8")
+            overflow = engine.text_bound.overflow(text, special=True)
+            if overflow is not None:
+                raise context_length_error("content", overflow, engine.n_ctx)
+        except ApiError as error:
+            return self._answer("/tokenize", _error_response(error))
+        tokenizer = engine.pool.slots[0].llama
+
+        def work() -> list[Any]:
+            tokens = tokenizer.tokenize(text, add_bos=flags["add_special"], special=True) if text else []
+            if not flags["with_pieces"]:
+                return tokens
+            pieces = []
+            for token in tokens:
+                piece = tokenizer.detokenize([token], special=True)
+                try:
+                    shown: Any = piece.decode("utf-8")
+                except UnicodeDecodeError:
+                    shown = list(piece)
+                pieces.append({"id": token, "piece": shown})
+            return pieces
+
+        return self._answer("/tokenize", JSONResponse({"tokens": await asyncio.to_thread(work)}))
+
+    async def detokenize(self, request: Request) -> Response:
+        """``POST /detokenize`` as llama-server: ``{"tokens": [ids]}`` -> ``{"content"}`` (special tokens' texts included)."""
+        engine = self.engine
+        try:
+            body = parse_json_body(await read_body(request, self.max_body_bytes, self.body_timeout))
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+            bad = next((t for t in tokens if not 0 <= t < engine.n_vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"'tokens' holds {bad}, outside the vocabulary (0..{engine.n_vocab - 1})",
+                               param="tokens", code="invalid_value")
+        except ApiError as error:
+            return self._answer("/detokenize", _error_response(error))
+        tokenizer = engine.pool.slots[0].llama
+        text = await asyncio.to_thread(lambda: tokenizer.detokenize(tokens, special=True).decode("utf-8", "replace"))
+        return self._answer("/detokenize", JSONResponse({"content": text}))
 
     async def health(self, request: Request) -> Response:
         pool = self.engine.pool
@@ -194,45 +258,79 @@ class _Server:
             raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
         return parsed, tokens
 
-    def _constraint(self, structured: StructuredOutput) -> SequenceConstraint:
-        """The compiled constraint of a request for structured output. Runs in a thread, before queueing.
+    def _constraints(self, structured: StructuredOutput, n: int) -> list[SequenceConstraint]:
+        """One compiled constraint per choice of a request for structured output. Runs in a thread,
+        before queueing.
 
         Raises:
             ApiError: 400 naming the field whose schema is refused.
         """
         try:
-            return self.engine.constraints.compile(structured.schema)
+            return [self.engine.constraints.compile(structured.schema) for _ in range(n)]
         except ConstraintError as error:
             raise ApiError(400, f"'{structured.param}': {error}", param=structured.param, code=error.code) from None
 
-    def _call(self, parsed: CompletionRequest | ChatRequest, tokens: list[int],
-              constraint: SequenceConstraint | None = None) -> Callable[[SlotLlama], Any]:
+    def _run(self, parsed: CompletionRequest | ChatRequest, tokens: list[int], job: Job,
+             constraints: list[SequenceConstraint] | None = None) -> Callable[[SlotLlama], Any]:
+        """What the request's worker thread runs: its choices (:class:`.ChoiceRun`), whole or streamed."""
         model = parsed.model or self.engine.model_name
+        sampling = parsed.sampling
+        bias = LogitBias(sampling.logit_bias) if sampling.logit_bias else None
+        options = parsed.options
+        penalties = Penalties(repeat=options.get("repeat_penalty", 1.0),
+                              frequency=options.get("frequency_penalty", 0.0),
+                              presence=options.get("presence_penalty", 0.0),
+                              last_n=self.engine.penalty_last_n)
+        samplings = [
+            SequenceSampling(
+                seed=None if sampling.seed is None else (sampling.seed + index) & 0xFFFFFFFF,
+                constraint=constraints[index] if constraints else None,
+                bias=bias,
+                logprobs=None if sampling.logprobs is None else TokenLogprobs(sampling.logprobs, penalties),
+            )
+            for index in range(sampling.n)
+        ]
+
+        def processors(sequence: SequenceSampling) -> dict[str, Any]:
+            chain = sequence.processors()
+            return {"logits_processor": llama_cpp.LogitsProcessorList(chain)} if chain else {}
+
+        def seed(sequence: SequenceSampling) -> dict[str, Any]:
+            return {} if sequence.seed is None else {"seed": sequence.seed}
+
+        structured = parsed.structured if isinstance(parsed, ChatRequest) else None
         if isinstance(parsed, CompletionRequest):
             # The tokens routed on are the tokens evaluated: the string is not tokenized twice.
-            return lambda llama: llama.create_completion(
-                prompt=tokens, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model, **parsed.options)
-        if constraint is None:
-            return lambda llama: llama.create_chat_completion(
-                messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
-                **parsed.template_options, **parsed.options)
-        structured = parsed.structured
-        assert structured is not None
+            def start(llama: SlotLlama, sequence: SequenceSampling) -> Any:
+                return llama.create_completion(prompt=tokens, max_tokens=parsed.max_tokens, stream=parsed.stream,
+                                               model=model, **options, **seed(sequence), **processors(sequence))
+        else:
+            # No response_format and no tool_choice that forces a call reach the chat handler: it would
+            # build a GBNF grammar from them. The constraint is a logits processor instead.
+            def start(llama: SlotLlama, sequence: SequenceSampling) -> Any:
+                return llama.create_chat_completion(
+                    messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
+                    **parsed.template_options, **options, **seed(sequence), **processors(sequence))
 
-        def constrained(llama: SlotLlama) -> Any:
-            # No response_format and no named tool_choice reach the chat handler: it would build a GBNF
-            # grammar from them. The constraint is the logits processor instead.
-            result = llama.create_chat_completion(
-                messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
-                logits_processor=llama_cpp.LogitsProcessorList([constraint]),
-                **parsed.template_options, **parsed.options)
-            if parsed.stream:
-                return structured_chunks(result, function=structured.function, legacy=structured.legacy,
-                                         cut_short=lambda: constraint.error is not None)
-            return structured_completion(result, function=structured.function, legacy=structured.legacy,
-                                         cut_short=constraint.error is not None)
+        run = ChoiceRun(llama=None, samplings=samplings, start=start, chat=isinstance(parsed, ChatRequest),
+                        fingerprint=self.engine.system_fingerprint, cancelled=job.cancel.is_set)
+        if structured is not None:
+            function = ANY_FUNCTION if structured.any_function else structured.function
 
-        return constrained
+            def cut_short(sequence: SequenceSampling) -> bool:
+                return sequence.constraint is not None and sequence.constraint.error is not None
+
+            run.shape = lambda result, sequence: structured_completion(
+                result, function=function, legacy=structured.legacy, cut_short=cut_short(sequence))
+            run.shape_chunks = lambda chunks, sequence: structured_chunks(
+                chunks, function=function, legacy=structured.legacy, cut_short=lambda: cut_short(sequence))
+        job.run = run
+
+        def call(llama: SlotLlama) -> Any:
+            run.llama = llama
+            return run.stream(sampling.include_usage) if parsed.stream else run.complete()
+
+        return call
 
     async def _complete(self, request: Request, endpoint: str) -> Response:
         started = time.monotonic()
@@ -248,9 +346,9 @@ class _Server:
         try:
             try:
                 parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw, job)
-                constraint = None
+                constraints = None
                 if isinstance(parsed, ChatRequest) and parsed.structured is not None:
-                    constraint = await asyncio.to_thread(self._constraint, parsed.structured)
+                    constraints = await asyncio.to_thread(self._constraints, parsed.structured, parsed.sampling.n)
             except ApiError as error:
                 return self._answer(endpoint, _error_response(error))
             except RenderingCancelled:
@@ -261,7 +359,7 @@ class _Server:
                 self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
                 return Response(status_code=CLIENT_CLOSED)
             loop = asyncio.get_running_loop()
-            call = self._call(parsed, tokens, constraint)
+            call = self._run(parsed, tokens, job, constraints)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
                 self.streams.add(queue)
@@ -390,9 +488,10 @@ class _Server:
         metrics.requests.labels(endpoint, str(status)).inc()
         if job.first_token_at is not None:
             metrics.time_to_first_token.labels(endpoint).observe(job.first_token_at - job.started_at)
-        if job.prompt_tokens:
-            metrics.prompt_tokens.inc(job.prompt_tokens)
-            metrics.prompt_tokens_cached.inc(max(job.prompt_tokens - job.prompt_tokens_evaluated, 0))
+        usage = job.usage
+        if usage is not None and usage.prompt_tokens:
+            metrics.prompt_tokens.inc(usage.prompt_tokens)
+            metrics.prompt_tokens_cached.inc(usage.cached_tokens)
         if job.sampled:
             metrics.generation_tokens.inc(job.sampled)
 
@@ -509,6 +608,13 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        # The same without /v1, as llama-server and many client configurations use them (counted in the
+        # metrics under the /v1 path).
+        Route("/chat/completions", server.chat, methods=["POST"]),
+        Route("/completions", server.completions, methods=["POST"]),
+        Route("/models", server.models, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics_route, methods=["GET"]),
     ]

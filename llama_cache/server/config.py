@@ -107,6 +107,8 @@ class ServerConfig:
             lets call the API; empty: no CORS headers, browsers allow only same-origin pages.
         ssl_keyfile, ssl_certfile: a PEM private key and certificate chain to serve HTTPS with; both
             or neither.
+        chat_template_file: a Jinja2 chat template to render chat prompts with, instead of the one
+            the GGUF carries (for a model whose template is missing or wrong).
 
     ``repr`` shows how many API keys there are, never a key, and the Redis URL without its password.
 
@@ -139,6 +141,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     ssl_keyfile: Path | None = None
     ssl_certfile: Path | None = None
+    chat_template_file: Path | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -176,7 +179,7 @@ class ServerConfig:
                                  f"got {origin!r}")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("ssl_keyfile and ssl_certfile go together: give both or neither")
-        for name in ("ssl_keyfile", "ssl_certfile"):
+        for name in ("ssl_keyfile", "ssl_certfile", "chat_template_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name} {path} is not a file")
@@ -237,6 +240,8 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "ssl_keyfile": ("LLAMA_CACHE_SSL_KEYFILE", Path, "serve HTTPS with this PEM private key (and --ssl-certfile)"),
     "ssl_certfile": ("LLAMA_CACHE_SSL_CERTFILE", Path,
                      "serve HTTPS with this PEM certificate chain (and --ssl-keyfile)"),
+    "chat_template_file": ("LLAMA_CACHE_CHAT_TEMPLATE_FILE", Path,
+                           "render chat prompts with this Jinja2 template instead of the model's own"),
 }
 # Other spellings of an option: llama-server's name for the thread count.
 _ALIASES = {"n_threads": ["--threads"], "redis_url": ["--redis"]}

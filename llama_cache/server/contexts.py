@@ -16,7 +16,7 @@ import logging
 import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import jinja2
@@ -56,6 +56,9 @@ class SlotLlama(Llama):
     ``request_stop``, when set, is added to every completion's stopping criteria (chat handlers replace
     the caller's criteria with their own, so it cannot be passed as an argument): llama-cpp-python calls
     it after each sampled token, which is how a request is timed and how a cancelled one stops.
+
+    ``token_watcher``, when set, is told every token ``generate`` yields, in order (end-of-generation
+    tokens included): how a sequence learns which token it sampled (:mod:`.sequences`).
     """
 
     compute: ComputeThread | None = None
@@ -63,6 +66,7 @@ class SlotLlama(Llama):
     tokenized: TokenizationMemo | None = None
     request_cancelled: Callable[[], bool] | None = None
     request_stop: Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool] | None = None
+    token_watcher: Callable[[int], None] | None = None
 
     def use_compute(self, compute: ComputeThread) -> None:
         """Evaluate, copy the state and change the KV of this context on ``compute`` from now on.
@@ -101,6 +105,46 @@ class SlotLlama(Llama):
             checked = sequence[reached:]
         compute.evaluate(super().eval, checked, self.n_batch, cancelled=self.request_cancelled)
         return None
+
+    def generate(self, tokens: Sequence[int], *args: Any, **kwargs: Any) -> Generator[int, Sequence[int] | None, None]:
+        """As :meth:`llama_cache.Llama.generate`; every token yielded is told to ``token_watcher`` first."""
+        inner = super().generate(tokens, *args, **kwargs)
+        watcher = self.token_watcher
+        if watcher is None:
+            return (yield from inner)
+        sent: Sequence[int] | None = None
+        while True:
+            try:
+                token = inner.send(sent)  # type: ignore[arg-type]
+            except StopIteration as stop:
+                return stop.value
+            watcher(token)
+            sent = yield token
+
+    def rewind_to_prompt(self) -> bool:
+        """Put the context back at the end of the last ``generate``'s prompt, with the prompt's logits.
+
+        The next completion of the same prompt then samples at once, evaluating nothing: how a request's
+        later choices reuse the first one's prompt evaluation. The KV past the prompt is cut (on the
+        compute thread). Recurrent and hybrid memory cannot be cut: nothing changes, and the next
+        completion resumes from a checkpoint or the prompt cache as any other prompt would.
+
+        Returns:
+            True if the context now holds just the prompt, ready to sample.
+        """
+        n = self._prompt_len
+        logits = self._prompt_logits
+        if logits is None or self._state_is_opaque or not 0 < n <= self.n_tokens:
+            return False
+        if n < self.n_tokens and not self._ctx.kv_cache_seq_rm(-1, n, -1):
+            return False
+        self.n_tokens = n
+        self._base_valid = min(self._base_valid, n)
+        self._restored_logits = logits.copy()
+        self._requires_eval = False
+        np.copyto(self._last_logits, logits)
+        self._last_logits_pos = n - 1
+        return True
 
     def _take_head_from_a_sibling(self, sequence: list[int]) -> int:
         """Copy into this context the longest head of ``sequence`` another context holds; on the compute thread.

@@ -4,10 +4,18 @@ what every request is checked against (:class:`Engine`, built by :func:`load_eng
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import llama_cpp
+import llama_cpp.llama_chat_format
 
 from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
@@ -31,7 +39,9 @@ logger = logging.getLogger(__name__)
 class Engine:
     """What the app serves: the slots, their shared prompt cache, their compute thread and the model's name.
 
-    ``constraints`` compiles the structured outputs requests ask for, for the model's vocabulary.
+    ``constraints`` compiles the structured outputs requests ask for, for the model's vocabulary;
+    ``system_fingerprint`` names the model and the build answering (:func:`system_fingerprint`);
+    ``penalty_last_n`` is how many sampled tokens the repetition penalties look back on.
     """
 
     pool: SlotPool
@@ -45,6 +55,8 @@ class Engine:
     limits: RequestLimits
     text_bound: PromptTextBound
     constraints: ConstraintCompiler
+    system_fingerprint: str = ""
+    penalty_last_n: int = 64
     closed: bool = False
 
     def close(self) -> None:
@@ -101,6 +113,10 @@ def load_engine(config: ServerConfig) -> Engine:
     for slot in slots:
         slot.llama.siblings = [other.llama for other in slots]
     first = slots[0].llama
+    if config.chat_template_file is not None:
+        handler = chat_template_handler(first, config.chat_template_file.read_text(encoding="utf-8"))
+        for slot in slots:
+            slot.llama.chat_handler = handler
     text_bound = PromptTextBound.for_model(first, first.n_ctx())
     return Engine(
         pool=SlotPool(slots, config.max_queue, cached=tiers[0][1].match_length),
@@ -114,4 +130,38 @@ def load_engine(config: ServerConfig) -> Engine:
         limits=RequestLimits(max_messages=config.max_messages, max_prompt_bytes=text_bound.max_bytes),
         text_bound=text_bound,
         constraints=constraints,
+        system_fingerprint=system_fingerprint(first.fingerprint),
+        penalty_last_n=first.last_n_tokens_size,
     )
+
+
+def system_fingerprint(model_fingerprint: str) -> str:
+    """OpenAI's ``system_fingerprint``: ``fp_`` and a hash of the model's fingerprint (its bytes and KV
+    settings) and of the versions of llama-cache and llama-cpp-python (hence llama.cpp) answering."""
+    try:
+        version = importlib.metadata.version("llama-cache")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout
+        version = "checkout"
+    build = f"{model_fingerprint}|llama-cache {version}|llama-cpp-python {llama_cpp.__version__}"
+    return "fp_" + hashlib.sha256(build.encode("utf-8")).hexdigest()[:12]
+
+
+def chat_template_handler(llama: SlotLlama, template: str) -> Any:
+    """A chat handler rendering ``template`` (Jinja2, as in a GGUF's ``tokenizer.chat_template``) for ``llama``'s model.
+
+    llama-cpp-python renders it in a sandboxed Jinja2 environment, with the model's BOS and EOS tokens
+    as ``bos_token`` / ``eos_token``, and stops at the EOS token, as it does for a GGUF's own template.
+
+    Raises:
+        ValueError: the template is not valid Jinja2.
+    """
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"the chat template is not valid Jinja2: {error}") from None
+    eos, bos = llama.token_eos(), llama.token_bos()
+    text = llama._model.token_get_text  # noqa: SLF001 - as llama-cpp-python reads them for a GGUF's template
+    formatter = llama_cpp.llama_chat_format.Jinja2ChatFormatter(
+        template=template, eos_token=text(eos) if eos != -1 else "", bos_token=text(bos) if bos != -1 else "",
+        stop_token_ids=[eos] if eos != -1 else None)
+    return formatter.to_chat_handler()

@@ -50,6 +50,8 @@ class RequestLimits:
 
     Attributes:
         max_messages: messages in one chat request.
+        max_choices: choices one request may ask for (``n``); they share one evaluation of the prompt,
+            then generate one after another on the request's context.
         max_tools: tools (or legacy functions) in one chat request.
         max_prompt_bytes: bytes of text (message contents, a completion prompt) that one request may
             bring; a longer text is refused as ``context_length_exceeded`` without being tokenized. Set
@@ -64,6 +66,7 @@ class RequestLimits:
     """
 
     max_messages: int = 1024
+    max_choices: int = 8
     max_tools: int = 128
     max_prompt_bytes: int = 1 << 20
     max_schema_bytes: int = 64 << 10

@@ -2,22 +2,21 @@
 
 A request body is checked field by field before it reaches a context: every problem becomes an
 :class:`ApiError` (a 4xx with OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``)
-naming the offending field, so bad input never reaches llama.cpp. Fields the OpenAI API defines but
-this server does not honour are refused the same way rather than ignored: ``n`` > 1, and log
-probabilities (``logprobs``, ``top_logprobs``: llama-cpp-python computes them only for a context made
-with ``logits_all``, which keeps a row of logits per context position, n_ctx x n_vocab floats, and
-copies every prompt token's row; our contexts keep the last row only). Unknown fields are ignored, as
-the official client sends some that servers need not know.
+naming the offending field, so bad input never reaches llama.cpp. Unknown fields are ignored, as the
+official client sends some that servers need not know; fields the OpenAI API defines but this server
+does not honour are refused rather than ignored (``echo`` with ``logprobs``, ``best_of`` > 1).
 
 Sampling parameters are passed to ``llama_cpp.Llama.create_completion`` / ``create_chat_completion``
-under their llama-cpp-python names; the prompt is resolved to tokens later, by the slot pool.
+under their llama-cpp-python names; what each choice samples with besides them (its seed, its
+``logit_bias``, its log probabilities, its structured output) is a :class:`Sampling`, which the app turns
+into one :class:`~.sequences.SequenceSampling` per choice. The prompt is resolved to tokens later.
 
 Tools (``tools`` / ``tool_choice``, and the legacy ``functions`` / ``function_call``) are checked
-here; what the answer must be (a JSON object for ``response_format: {"type": "json_object"}``, a named
-function's arguments for a named ``tool_choice``) becomes a :class:`StructuredOutput`, which the app
-compiles (:mod:`.constraints`) and enforces itself: such a request never reaches llama-cpp-python's
-grammar code, which builds a GBNF grammar from the schema (llama.cpp crashes on some and takes minutes
-on others). ``tool_choice: "required"`` is refused: nothing enforces it yet.
+here; what the answer must be (a JSON object for ``response_format: {"type": "json_object"}``, a schema's
+instance for ``{"type": "json_schema"}``, a named function's arguments for a named ``tool_choice``, a call
+of any declared function for ``"required"``) becomes a :class:`StructuredOutput`, which the app compiles
+(:mod:`.constraints`) and enforces itself: such a request never reaches llama-cpp-python's grammar code,
+which builds a GBNF grammar from the schema (llama.cpp crashes on some and takes minutes on others).
 """
 
 from __future__ import annotations
@@ -25,17 +24,19 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llama_cache.server.errors import ApiError
 from llama_cache.server.limits import RequestLimits, check_schema, limit_error
 
-__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "parse_chat_request", "parse_completion_request",
-           "parse_json_body"]
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Sampling", "StructuredOutput", "parse_chat_request",
+           "parse_completion_request", "parse_json_body"]
 
 # The OpenAI API allows at most 4 stop sequences.
 MAX_STOP_SEQUENCES = 4
+# The OpenAI API's bound on top_logprobs (chat) and logprobs (completions, where it is 5: 20 here too).
+MAX_TOP_LOGPROBS = 20
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # OpenAI's rule for a function's name.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -43,12 +44,34 @@ FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a request's choices are sampled, besides the options llama-cpp-python takes.
+
+    Attributes:
+        n: choices to generate (1 to ``RequestLimits.max_choices``), from one evaluation of the prompt.
+        seed: the first choice's seed; choice ``i`` samples with ``seed + i`` (None: llama-cpp-python
+            draws them).
+        logit_bias: token id -> bias added to its logit at every step.
+        logprobs: log probabilities asked for: None for none, else how many of the likeliest tokens
+            to list beside each sampled one (0 to :data:`MAX_TOP_LOGPROBS`).
+        include_usage: a stream ends with a chunk holding the usage (``stream_options``).
+    """
+
+    n: int = 1
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None
+    include_usage: bool = False
+
+
 @dataclass
 class CompletionRequest:
     """A validated ``POST /v1/completions`` body.
 
     ``prompt`` is the text, or the token ids the client sent; ``options`` holds the keyword arguments
-    for ``create_completion`` other than ``prompt``, ``stream`` and ``max_tokens``.
+    for ``create_completion`` other than ``prompt``, ``stream``, ``max_tokens``, ``seed`` and
+    ``logit_bias`` (those two are in ``sampling``).
     """
 
     prompt: str | list[int]
@@ -56,6 +79,7 @@ class CompletionRequest:
     max_tokens: int | None
     model: str | None
     options: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling = field(default_factory=Sampling)
 
 
 @dataclass(frozen=True)
@@ -64,15 +88,18 @@ class StructuredOutput:
 
     ``schema`` is the JSON schema the generated text follows (``{"type": "object"}`` for
     ``json_object``); ``function`` names the function the answer calls (None: the JSON is the message's
-    content); ``legacy`` is true when it was asked for through ``functions`` / ``function_call`` (the
-    answer is then a ``function_call``, not ``tool_calls``); ``param`` is the request field the schema
-    came from, which an error about the schema names.
+    content); ``any_function`` is true for ``tool_choice: "required"``: the text is then
+    ``{"name": ..., "arguments": {...}}`` for one of the declared functions (``schema`` is their
+    ``anyOf``), which the answer turns into that call; ``legacy`` is true when it was asked for through
+    ``functions`` / ``function_call`` (the answer is then a ``function_call``, not ``tool_calls``);
+    ``param`` is the request field the schema came from, which an error about the schema names.
     """
 
     schema: dict[str, Any]
     param: str
     function: str | None = None
     legacy: bool = False
+    any_function: bool = False
 
 
 @dataclass
@@ -80,7 +107,8 @@ class ChatRequest:
     """A validated ``POST /v1/chat/completions`` body.
 
     ``messages`` have plain-string contents (text parts joined); ``options`` holds the keyword
-    arguments for ``create_chat_completion`` other than ``messages``, ``stream`` and ``max_tokens``;
+    arguments for ``create_chat_completion`` other than ``messages``, ``stream``, ``max_tokens``, ``seed``
+    and ``logit_bias`` (those two are in ``sampling``);
     ``template_options`` those that also shape the prompt (the tools or functions, and a
     ``tool_choice`` / ``function_call`` of ``"none"`` or ``"auto"``: a named one is in ``structured``,
     never passed on, so llama-cpp-python builds no grammar for it).
@@ -93,6 +121,7 @@ class ChatRequest:
     options: dict[str, Any] = field(default_factory=dict)
     template_options: dict[str, Any] = field(default_factory=dict)
     structured: StructuredOutput | None = None
+    sampling: Sampling = field(default_factory=Sampling)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -117,11 +146,6 @@ def _type_error(param: str, expected: str, value: object) -> ApiError:
 
 def _value_error(param: str, message: str) -> ApiError:
     return ApiError(400, f"'{param}' {message}", param=param, code="invalid_value")
-
-
-def _unsupported(param: str) -> ApiError:
-    return ApiError(400, f"'{param}': log probabilities are not supported by this server", param=param,
-                    code="unsupported_parameter")
 
 
 def _short(value: object) -> str:
@@ -167,9 +191,10 @@ def _max_tokens(body: dict[str, Any], n_ctx: int, default: int | None) -> int | 
     return int(value)
 
 
-def _common(body: dict[str, Any], n_ctx: int, n_vocab: int, default_max_tokens: int | None
-            ) -> tuple[bool, int | None, str | None, dict[str, Any]]:
-    """The fields both endpoints share: stream, max_tokens, model and the sampling options."""
+def _common(body: dict[str, Any], n_ctx: int, n_vocab: int, default_max_tokens: int | None,
+            limits: RequestLimits) -> tuple[bool, int | None, str | None, dict[str, Any], Sampling]:
+    """The fields both endpoints share: stream, max_tokens, model, the sampling options and the
+    :class:`Sampling` (its ``logprobs`` left to each endpoint, whose fields differ)."""
     options: dict[str, Any] = {}
     stream = body.get("stream", False)
     if stream is None:
@@ -198,7 +223,7 @@ def _common(body: dict[str, Any], n_ctx: int, n_vocab: int, default_max_tokens: 
     if seed is not None:
         if not _is_int(seed):
             raise _type_error("seed", "an integer", seed)
-        options["seed"] = int(seed) & 0xFFFFFFFF
+        seed = int(seed) & 0xFFFFFFFF
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -209,22 +234,33 @@ def _common(body: dict[str, Any], n_ctx: int, n_vocab: int, default_max_tokens: 
             raise _value_error("stop", f"holds at most {MAX_STOP_SEQUENCES} sequences, got {len(stop)}")
         options["stop"] = [s for s in stop if s]
     n = body.get("n")
-    if n is not None:
-        if not _is_int(n):
-            raise _type_error("n", "an integer", n)
-        if n != 1:
-            raise _value_error("n", f"must be 1 (one choice per request is supported), got {n}")
+    if n is None:
+        n = 1
+    if not _is_int(n):
+        raise _type_error("n", "an integer", n)
+    if not 1 <= n <= limits.max_choices:
+        raise _value_error("n", f"must be between 1 and {limits.max_choices} (this server's limit), got {n}")
     logit_bias = body.get("logit_bias")
-    if logit_bias is not None:
-        options["logit_bias"] = _logit_bias(logit_bias, n_vocab)
-    return stream, max_tokens, model, options
+    bias = _logit_bias(logit_bias, n_vocab) if logit_bias is not None else {}
+    stream_options = body.get("stream_options")
+    include_usage = False
+    if stream_options is not None:
+        if not isinstance(stream_options, dict):
+            raise _type_error("stream_options", "an object", stream_options)
+        if not stream:
+            raise _value_error("stream_options", "is only allowed when 'stream' is true")
+        include_usage = stream_options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise _type_error("stream_options.include_usage", "a boolean", include_usage)
+    sampling = Sampling(n=int(n), seed=seed, logit_bias=bias, include_usage=include_usage)
+    return stream, max_tokens, model, options, sampling
 
 
-def _logit_bias(value: object, n_vocab: int) -> dict[str, float]:
+def _logit_bias(value: object, n_vocab: int) -> dict[int, float]:
     """``logit_bias`` checked: token ids of this vocabulary (as decimal strings) to biases in [-100, 100]."""
     if not isinstance(value, dict):
         raise _type_error("logit_bias", "an object mapping token ids to numbers", value)
-    checked: dict[str, float] = {}
+    checked: dict[int, float] = {}
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < n_vocab:
             raise _value_error("logit_bias", f"maps {_short(key)}, which is not a token id of this model "
@@ -232,7 +268,7 @@ def _logit_bias(value: object, n_vocab: int) -> dict[str, float]:
         if not _is_number(bias) or not -100 <= bias <= 100:
             raise _value_error("logit_bias", f"maps token {key} to {_short(bias)}; a bias is a number "
                                "between -100 and 100")
-        checked[str(int(key))] = float(bias)
+        checked[int(key)] = float(bias)
     return checked
 
 
@@ -249,7 +285,7 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int,
     Raises:
         ApiError: 400 naming the first invalid field.
     """
-    stream, max_tokens, model, options = _common(body, n_ctx, n_vocab, default_max_tokens=16)
+    stream, max_tokens, model, options, sampling = _common(body, n_ctx, n_vocab, 16, limits)
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt", code="missing")
     prompt = body["prompt"]
@@ -268,12 +304,11 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int,
         raise _type_error("prompt", "a string, a list of token ids, or a list of one of those", prompt)
     elif len(prompt) > limits.max_prompt_bytes or len(prompt.encode("utf-8")) > limits.max_prompt_bytes:
         raise context_length_error("prompt", f"{len(prompt.encode('utf-8'))} bytes of text", n_ctx)
-    for name in ("echo",):
-        value = body.get(name)
-        if value is not None:
-            if not isinstance(value, bool):
-                raise _type_error(name, "a boolean", value)
-            options[name] = value
+    echo = body.get("echo")
+    if echo is not None:
+        if not isinstance(echo, bool):
+            raise _type_error("echo", "a boolean", echo)
+        options["echo"] = echo
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise _type_error("suffix", "a string", suffix)
@@ -281,11 +316,18 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int,
     if logprobs is not None and logprobs is not False:  # false: some clients' way of asking for none
         if not _is_int(logprobs):
             raise _type_error("logprobs", "an integer", logprobs)
-        raise _unsupported("logprobs")  # even 0, which asks for the sampled tokens' own
+        if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise _value_error("logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {logprobs}")
+        if echo:
+            raise ApiError(400, "'logprobs' with 'echo': the prompt's log probabilities are not supported by "
+                           "this server (its contexts keep one row of logits, not one per prompt token)",
+                           param="logprobs", code="unsupported_parameter")
+        sampling = replace(sampling, logprobs=int(logprobs))
     best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise _value_error("best_of", "must be 1")
-    return CompletionRequest(prompt=prompt, stream=stream, max_tokens=max_tokens, model=model, options=options)
+    if best_of is not None and best_of != 1 and best_of != sampling.n:
+        raise _value_error("best_of", "must be 1 or equal to 'n' (every choice generated is returned)")
+    return CompletionRequest(prompt=prompt, stream=stream, max_tokens=max_tokens, model=model, options=options,
+                             sampling=sampling)
 
 
 def context_length_error(param: str, size: str, n_ctx: int) -> ApiError:
@@ -323,7 +365,7 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int, n_vocab: int, limits: R
     Raises:
         ApiError: 400 naming the first invalid field.
     """
-    stream, max_tokens, model, options = _common(body, n_ctx, n_vocab, default_max_tokens=None)
+    stream, max_tokens, model, options, sampling = _common(body, n_ctx, n_vocab, None, limits)
     if "messages" not in body:
         raise ApiError(400, "'messages' is required", param="messages", code="missing")
     raw = body["messages"]
@@ -350,29 +392,67 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int, n_vocab: int, limits: R
     if text_bytes > limits.max_prompt_bytes:  # characters: at least as many UTF-8 bytes
         raise context_length_error("messages", f"at least {text_bytes} bytes of text", n_ctx)
     logprobs = body.get("logprobs")
-    if logprobs is not None:
-        if not isinstance(logprobs, bool):
-            raise _type_error("logprobs", "a boolean", logprobs)
-        if logprobs:
-            raise _unsupported("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _type_error("logprobs", "a boolean", logprobs)
     top_logprobs = body.get("top_logprobs")
     if top_logprobs is not None:
         if not _is_int(top_logprobs):
             raise _type_error("top_logprobs", "an integer", top_logprobs)
-        if top_logprobs:
-            raise _unsupported("top_logprobs")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise _value_error("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}, got {top_logprobs}")
+        if not logprobs:
+            raise _value_error("top_logprobs", "needs 'logprobs': true")
+    if logprobs:
+        sampling = replace(sampling, logprobs=int(top_logprobs or 0))
     template_options, structured = _tools(body, limits)
-    response_format = body.get("response_format")
+    response_format = _response_format(body.get("response_format"), limits)
     if response_format is not None:
-        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object"):
-            raise _value_error("response_format", "must be {\"type\": \"text\"} or {\"type\": \"json_object\"}")
-        if response_format["type"] == "json_object":
-            if structured is not None:
-                raise _value_error("response_format", "cannot ask for a JSON object while a named function "
-                                   "is called (its arguments are JSON already)")
-            structured = StructuredOutput(schema={"type": "object"}, param="response_format")
+        if structured is not None:
+            raise _value_error("response_format", "cannot ask for a format while a function must be called "
+                               "(its arguments are JSON already)")
+        structured = response_format
     return ChatRequest(messages=messages, stream=stream, max_tokens=max_tokens, model=model, options=options,
-                       template_options=template_options, structured=structured)
+                       template_options=template_options, structured=structured, sampling=sampling)
+
+
+def _response_format(value: object, limits: RequestLimits) -> StructuredOutput | None:
+    """``response_format`` checked: None for text, else the structured output it asks for.
+
+    ``{"type": "json_schema", "json_schema": {"name", "description"?, "schema"?, "strict"?}}``: the
+    answer is an instance of ``schema`` (any JSON value without one). It is enforced whether ``strict``
+    is true or not: the engine masks every token the schema does not allow.
+    """
+    if value is None:
+        return None
+    shape = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+             '{"name": ..., "schema": {...}}}')
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(schema={"type": "object"}, param="response_format")
+    if kind != "json_schema":
+        raise _value_error("response_format", f"must be {shape}, got {_short(value)}")
+    spec = value.get("json_schema")
+    param = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise _type_error(param, "an object", spec)
+    name = spec.get("name")
+    if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+        raise _value_error(f"{param}.name", f"must be 1 to 64 letters, digits, '_' or '-', got {_short(name)}")
+    description = spec.get("description")
+    if description is not None and not isinstance(description, str):
+        raise _type_error(f"{param}.description", "a string", description)
+    strict = spec.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _type_error(f"{param}.strict", "a boolean", strict)
+    schema = spec.get("schema")
+    if schema is None:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise _type_error(f"{param}.schema", "a JSON schema object", schema)
+    check_schema(schema, f"{param}.schema", limits)
+    return StructuredOutput(schema=schema, param=f"{param}.schema")
 
 
 def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any], StructuredOutput | None]:
@@ -396,9 +476,10 @@ def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any],
     options: dict[str, Any] = {list_param: declared} if schemas else {}
     if choice is None:
         return options, None
-    if choice == "required":
-        raise ApiError(400, f"'{choice_param}': \"required\" is not supported yet; name the function to "
-                       "call, or use \"auto\"", param=choice_param, code="unsupported_parameter")
+    if choice == "required" and not legacy:
+        if not schemas:
+            raise _value_error(choice_param, "is \"required\" but 'tools' declares no function")
+        return options, StructuredOutput(schema=_any_call(schemas), param=list_param, any_function=True)
     if choice in ("none", "auto"):
         if schemas:
             options[choice_param] = choice
@@ -409,12 +490,20 @@ def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any],
     else:
         function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
-        shape = '"none", "auto" or {"type": "function", "function": {"name": ...}}'
+        shape = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
     if not isinstance(name, str):
         raise _value_error(choice_param, f"must be {shape}, got {_short(choice)}")
     if name not in schemas:
         raise _value_error(choice_param, f"names the function {_short(name)}, which '{list_param}' does not declare")
     return options, StructuredOutput(schema=schemas[name], param=list_param, function=name, legacy=legacy)
+
+
+def _any_call(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The schema of ``{"name": ..., "arguments": ...}`` calling one of the functions (name first)."""
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for name, schema in schemas.items()]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
 def _function_schemas(param: str, declared: object, legacy: bool,

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from llama_cache.server.choices import ANSWERED, ChoiceRun, Usage
 from llama_cache.server.compute import EvaluationCancelled
 from llama_cache.server.contexts import MIN_SHARED_TOKENS, SlotLlama, common_prefix, live_tokens
 
@@ -232,25 +233,33 @@ class Job:
     """One request's run on a slot, as seen by the worker thread and the event loop.
 
     ``cancel`` stops the generation at the next token; ``first_token_at`` is the monotonic time of the
-    first sampled token; ``sampled`` counts sampled tokens; ``answered`` is set once a stream's last
-    chunk (the one with a finish reason) has been emitted: what runs after is bookkeeping, which a
-    cancellation no longer turns into a cancelled request.
+    first sampled token; ``run`` is the request's :class:`~.choices.ChoiceRun`, whose counts the
+    metrics read; ``answered`` is set once a stream's last chunk has been emitted (see
+    :data:`~.choices.ANSWERED`): what runs after is bookkeeping, which a cancellation no longer turns
+    into a cancelled request.
     """
 
     started_at: float
     cancel: threading.Event = field(default_factory=threading.Event)
     first_token_at: float | None = None
-    sampled: int = 0
-    prompt_tokens: int = 0
-    prompt_tokens_evaluated: int = 0
+    run: ChoiceRun | None = None
     completed: bool = False
     answered: bool = False
+
+    @property
+    def sampled(self) -> int:
+        """Tokens sampled for the request, over all its choices (end-of-generation tokens included)."""
+        return sum(len(sampling.sampled) for sampling in self.run.samplings) if self.run is not None else 0
+
+    @property
+    def usage(self) -> Usage | None:
+        """The request's token counts, once its prompt is evaluated (None before)."""
+        return self.run.usage if self.run is not None and self.run.usage.prompt_known else None
 
     def stop_check(self, input_ids: Any, logits: Any) -> bool:
         """The stopping criterion llama-cpp-python calls after each sampled token."""
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
-        self.sampled += 1
         return self.cancel.is_set()
 
 
@@ -260,11 +269,12 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
 
     Args:
         slot: the slot the request holds (released by the caller once this returns).
-        job: the request's cancellation flag and counters, filled in here.
-        call: starts the completion (``create_completion`` / ``create_chat_completion``).
+        job: the request's cancellation flag, marked here.
+        call: runs the completion (:meth:`.ChoiceRun.complete` or :meth:`.ChoiceRun.stream`).
         emit: for streams, receives each chunk; None for a non-streamed completion, returned whole.
         answered: for streams, called with the context's live tokens right after the last chunk was
-            emitted, while llama-cpp-python has yet to save the completion's state into the cache.
+            emitted (:data:`~.choices.ANSWERED`), while llama-cpp-python has yet to save the
+            completion's state into the cache.
 
     Returns:
         The completion (non-streamed) or None.
@@ -281,31 +291,24 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
         result = call(llama)
         if emit is not None:
             for chunk in result:
-                if job.cancel.is_set() or job.answered:
-                    continue  # run the generator to its end: it saves the state there
-                emit(chunk)
-                if _finish_reason(chunk) is not None:
+                if chunk is ANSWERED:
+                    if job.cancel.is_set():
+                        continue  # stopped early: not an answer
                     job.answered = True
                     if answered is not None:
                         answered(live_tokens(llama))
+                elif not (job.cancel.is_set() or job.answered):
+                    emit(chunk)
+                # else: run the generator to its end: it saves the state there
             result = None
         job.completed = True
-        if job.first_token_at is not None:
-            job.prompt_tokens = llama.last_prompt_length
-            job.prompt_tokens_evaluated = llama.last_prompt_tokens_evaluated
     except EvaluationCancelled:
         raise Cancelled() from None  # stopped while reading its prompt; the context holds what was read
     finally:
         llama.request_stop = None
         llama.request_cancelled = None
-        # llama-cpp-python asks the criteria once more after its loop; that call sampled nothing.
-        if job.completed and job.sampled > 0:
-            job.sampled -= 1
+        llama.token_watcher = None
     if job.cancel.is_set() and not job.answered:
         raise Cancelled()
     return result
 
-
-def _finish_reason(chunk: Any) -> str | None:
-    choices = chunk.get("choices") if isinstance(chunk, dict) else None
-    return choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
