@@ -11,9 +11,9 @@ to round (``--rounds``, default 3), and measures two things on it:
    and an array of strings, both bounded), ``enum`` (an enum and an array of enums), ``pattern`` (three
    strings with ``pattern``), as ``response_format: {"type": "json_schema", "json_schema": {"name",
    "schema", "strict": true}}``, and ``json_object`` (``response_format: {"type": "json_object"}``).
-   Every case's prompt is sent once unconstrained before the round's measures, so every measured
-   request finds its prompt cached. Then, ``--repeats`` times (default 2), for every case, the request
-   without and with the constraint (which goes first alternates). The client measures, on both servers
+   ``--repeats`` times (default 2), for every case, the request without and with the constraint
+   (which goes first alternates), each right after the same prompt with ``max_tokens`` 1 (not measured),
+   so that every measured request finds the same state cached: its prompt evaluated, one token sampled. The client measures, on both servers
    alike, the time to first token (from sending the request to the first non-empty content delta) and
    the time per generated token, (last content delta - first content delta) / (content deltas - 1).
    ``llama-server``'s own ``timings`` (``predicted_per_token_ms``, ``prompt_ms``) are recorded beside
@@ -203,20 +203,20 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> Streame
 
 def structured_round(client: httpx.Client, url: str, cases: list[str], max_tokens: int,
                      repeats: int) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Every case's prompt once (not measured), then ``repeats`` x every case without and with its constraint."""
+    """``repeats`` x every case without and with its constraint, each after its prompt with ``max_tokens`` 1."""
     def body(case: str, constrained: bool) -> dict[str, Any]:
         prompt, response_format = CASES[case]
         extra = {"response_format": response_format} if constrained else {}
         return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
                 "seed": STRUCTURED_SEED, **extra}
 
-    for case in cases:
-        stream_chat(client, url, body(case, False))
     measured: dict[str, dict[str, list[dict[str, Any]]]] = {
         case: {"unconstrained": [], "constrained": []} for case in cases}
     for repeat in range(repeats):
         for case in cases:
             for constrained in (repeat % 2 == 0, repeat % 2 == 1):
+                # The same cache state before every measure: the prompt just evaluated, one token sampled.
+                stream_chat(client, url, {**body(case, False), "max_tokens": 1})
                 mode = "constrained" if constrained else "unconstrained"
                 measured[case][mode].append(dataclasses.asdict(stream_chat(client, url, body(case, constrained))))
     return measured
