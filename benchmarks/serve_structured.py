@@ -13,7 +13,9 @@ to round (``--rounds``, default 3), and measures two things on it:
    "schema", "strict": true}}``, and ``json_object`` (``response_format: {"type": "json_object"}``).
    ``--repeats`` times (default 2), for every case, the request without and with the constraint
    (which goes first alternates), each right after the same prompt with ``max_tokens`` 1 (not measured),
-   so that every measured request finds the same state cached: its prompt evaluated, one token sampled. The client measures, on both servers
+   so that every measured request finds the same state cached: its prompt evaluated, one token sampled.
+   One constrained request with another prompt (not measured) comes first, so that no measure pays for
+   what a server sets up on its first constrained request. The client measures, on both servers
    alike, the time to first token (from sending the request to the first non-empty content delta) and
    the time per generated token, (last content delta - first content delta) / (content deltas - 1).
    ``llama-server``'s own ``timings`` (``predicted_per_token_ms``, ``prompt_ms``) are recorded beside
@@ -210,6 +212,9 @@ def structured_round(client: httpx.Client, url: str, cases: list[str], max_token
         return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
                 "seed": STRUCTURED_SEED, **extra}
 
+    # A server's first constrained request may set up what every later one shares (a tokenizer's tables).
+    stream_chat(client, url, {"messages": [{"role": "user", "content": "Say hello in JSON."}], "max_tokens": 4,
+                              "response_format": _json_schema("warm_up", {"type": "object"})})
     measured: dict[str, dict[str, list[dict[str, Any]]]] = {
         case: {"unconstrained": [], "constrained": []} for case in cases}
     for repeat in range(repeats):
