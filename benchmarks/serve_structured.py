@@ -47,8 +47,8 @@ to round (``--rounds``, default 3), and measures two things on it:
    round's ratio). ``llama-server`` answers ``n`` up to its slots (``-np``; 4 here) with that many
    choices, generated in as many slots.
 
-A request the server refuses (4xx, as ours does for ``json_schema`` and ``n`` > 1 before they are
-supported) is recorded as "unsupported" with the server's message, and its targets as "not measured".
+A request the server refuses (4xx: a server or a checkout without the feature) is recorded as
+"unsupported" with the server's message, and its targets as "not measured".
 Prints a table and writes ``benchmarks/results/serve_structured.json`` (machine, versions, settings of
 every side, every round's numbers, the summary and the verdicts)::
 
