@@ -50,7 +50,8 @@ to round (``--rounds``, default 3), and measures two things on it:
 A request the server refuses (4xx: a server or a checkout without the feature) is recorded as
 "unsupported" with the server's message, and its targets as "not measured".
 Prints a table and writes ``benchmarks/results/serve_structured.json`` (machine, versions, settings of
-every side, every round's numbers, the summary and the verdicts)::
+every side, every round's numbers, the summary and the verdicts); interrupted (Ctrl-C), it summarises
+the runs finished::
 
     tools/run python benchmarks/serve.py --scenario structured [--rounds 3] [--servers llama-cache,llama-server]
     tools/run python benchmarks/serve_structured.py --rounds 1 --cases small_object,json_object   # a quick check
@@ -364,25 +365,31 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds, "commands": {}, "runs": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for round_number in range(args.rounds):
-        shift = round_number % len(names)
-        for name in names[shift:] + names[:shift]:  # a different server first in every round
-            command = _commands(name, model, settings, _free_port(), llama_server)
-            assert command is not None
-            command += ["--metrics"] if name == "llama-server" else []  # its prompt tokens evaluated
-            port = int(command[command.index("--port") + 1])
-            results["commands"][name] = command
-            log = args.out.parent / f"serve-structured-{name}.log"
-            print(f"round {round_number + 1}/{args.rounds}: {name}...", file=sys.stderr, flush=True)
-            load = os.getloadavg()[0]
-            run: dict[str, Any] = {"round": round_number, "server": name}
-            with _server(command, port, env, log) as url, httpx.Client(timeout=600) as client:
-                run["structured"] = structured_round(client, url, args.cases, args.max_tokens, args.repeats)
-                if not args.skip_n:
-                    run["n"] = n_round(client, url, prompts, args.n_max_tokens)
-            run["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
-            results["runs"].append(run)
-            args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is done so far, if a later run fails
+    try:
+        for round_number in range(args.rounds):
+            shift = round_number % len(names)
+            for name in names[shift:] + names[:shift]:  # a different server first in every round
+                command = _commands(name, model, settings, _free_port(), llama_server)
+                assert command is not None
+                command += ["--metrics"] if name == "llama-server" else []  # its prompt tokens evaluated
+                port = int(command[command.index("--port") + 1])
+                results["commands"][name] = command
+                log = args.out.parent / f"serve-structured-{name}.log"
+                print(f"round {round_number + 1}/{args.rounds}: {name}...", file=sys.stderr, flush=True)
+                load = os.getloadavg()[0]
+                run: dict[str, Any] = {"round": round_number, "server": name}
+                with _server(command, port, env, log) as url, httpx.Client(timeout=600) as client:
+                    run["structured"] = structured_round(client, url, args.cases, args.max_tokens, args.repeats)
+                    if not args.skip_n:
+                        run["n"] = n_round(client, url, prompts, args.n_max_tokens)
+                run["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+                results["runs"].append(run)
+                args.out.write_text(json.dumps(results, indent=2) + "\n")  # what is done so far, if a later run fails
+    except KeyboardInterrupt:  # on a slow machine: the runs finished are summarised
+        results["interrupted"] = True
+        print(f"interrupted: the summary covers the {len(results['runs'])} run(s) finished", file=sys.stderr)
+        if not results["runs"]:
+            return 1
     results["summary"] = _summary(results["runs"], args.cases)
     results["targets"] = _targets(results["summary"])
     args.out.write_text(json.dumps(results, indent=2) + "\n")
@@ -537,7 +544,9 @@ def _table(results: dict[str, Any]) -> str:
     settings = results["servers_settings"]
     structured = results["structured"]
     lines = [
-        f"structured outputs and n on model {results['model']}, {results['rounds']} round(s); every server: n_ctx "
+        f"structured outputs and n on model {results['model']}, {results['rounds']} round(s)"
+        f"{' (interrupted: ' + str(len(results['runs'])) + ' run(s) finished)' if results.get('interrupted') else ''}"
+        f"; every server: n_ctx "
         f"{settings['n_ctx']} per request, {settings['parallel']} slots, {settings['threads']} threads, batch "
         f"{settings['n_batch']}, flash attention {'on' if settings['flash_attn'] else 'off'}; machine "
         f"{results['machine']['cpu']}, {results['machine']['logical_cpus']} CPUs; load average "
