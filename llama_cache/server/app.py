@@ -75,7 +75,13 @@ from llama_cache.server.contexts import (
     prompt_tokens_for_chat,
 )
 from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, run_job
-from llama_cache.server.responses import ANY_FUNCTION, structured_chunks, structured_completion
+from llama_cache.server.responses import (
+    ANY_FUNCTION,
+    cut_short_chunks,
+    cut_short_completion,
+    structured_chunks,
+    structured_completion,
+)
 from llama_cache.server.choices import ChoiceRun
 from llama_cache.server.sequences import LogitBias, Penalties, SequenceSampling, TokenLogprobs
 
@@ -265,8 +271,11 @@ class _Server:
         Raises:
             ApiError: 400 naming the field whose schema is refused.
         """
+        compiler = self.engine.constraints
         try:
-            return [self.engine.constraints.compile(structured.schema) for _ in range(n)]
+            if structured.gbnf is not None:
+                return [compiler.compile_gbnf(structured.gbnf) for _ in range(n)]
+            return [compiler.compile(structured.schema) for _ in range(n)]
         except ConstraintError as error:
             raise ApiError(400, f"'{structured.param}': {error}", param=structured.param, code=error.code) from None
 
@@ -298,7 +307,7 @@ class _Server:
         def seed(sequence: SequenceSampling) -> dict[str, Any]:
             return {} if sequence.seed is None else {"seed": sequence.seed}
 
-        structured = parsed.structured if isinstance(parsed, ChatRequest) else None
+        structured = parsed.structured
         if isinstance(parsed, CompletionRequest):
             # The tokens routed on are the tokens evaluated: the string is not tokenized twice.
             def start(llama: SlotLlama, sequence: SequenceSampling) -> Any:
@@ -314,11 +323,14 @@ class _Server:
 
         run = ChoiceRun(llama=None, samplings=samplings, start=start, chat=isinstance(parsed, ChatRequest),
                         fingerprint=self.engine.system_fingerprint, cancelled=job.cancel.is_set)
-        if structured is not None:
-            function = ANY_FUNCTION if structured.any_function else structured.function
+        def cut_short(sequence: SequenceSampling) -> bool:
+            return sequence.constraint is not None and sequence.constraint.error is not None
 
-            def cut_short(sequence: SequenceSampling) -> bool:
-                return sequence.constraint is not None and sequence.constraint.error is not None
+        if isinstance(parsed, CompletionRequest) and structured is not None:
+            run.shape = lambda result, sequence: cut_short_completion(result, cut_short(sequence))
+            run.shape_chunks = lambda chunks, sequence: cut_short_chunks(chunks, lambda: cut_short(sequence))
+        elif structured is not None:
+            function = ANY_FUNCTION if structured.any_function else structured.function
 
             run.shape = lambda result, sequence: structured_completion(
                 result, function=function, legacy=structured.legacy, cut_short=cut_short(sequence))
@@ -347,7 +359,7 @@ class _Server:
             try:
                 parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw, job)
                 constraints = None
-                if isinstance(parsed, ChatRequest) and parsed.structured is not None:
+                if parsed.structured is not None:
                     constraints = await asyncio.to_thread(self._constraints, parsed.structured, parsed.sampling.n)
             except ApiError as error:
                 return self._answer(endpoint, _error_response(error))
