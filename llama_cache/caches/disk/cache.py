@@ -35,6 +35,8 @@ from llama_cache.caches import lifecycle
 from llama_cache.caches.write_behind import WriteBehindQueue
 from llama_cache.caches.disk import chunked, chunkstore
 from llama_cache.caches.disk.checker import CheckReport, StorageReport, _check, _reclaim_orphans, _storage
+from llama_cache.caches.disk.connection import IndexConnection, connect, file_identity, is_damage, move_aside
+from llama_cache.caches.disk.locking import DirectoryLock
 from llama_cache.caches.disk.payloads import DATA_DIR, _compress_level, _DataDir, _Unreadable
 from llama_cache.caches.disk.rows import (
     _MAX_KEY_TOKENS,
@@ -91,7 +93,7 @@ ORPHAN_GRACE_SECONDS = 600.0
 _KIND_NAMES = {KIND_LLAMA_CACHE: "llama_cache", KIND_UPSTREAM: "llama_cpp", KIND_CHUNKED: "chunked"}
 _LOAD_ATTEMPTS = 8  # entries tried by one lookup before it gives up (each failure removes one)
 # Connections inherited across fork: kept referenced so that their finalizer never runs in the child.
-_ABANDONED: list[sqlite3.Connection] = []
+_ABANDONED: list[IndexConnection] = []
 
 
 class _ChunkGone(Exception):
@@ -163,7 +165,10 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     Raises:
         TypeError, ValueError: a bad argument.
         CacheDirectoryError: ``cache_dir`` cannot hold a cache (not a directory, read-only, an index
-            that is not an SQLite database or of a newer schema); an :class:`OSError` naming the path.
+            of a newer schema, a damaged index that cannot be moved aside); an :class:`OSError`
+            naming the path. A damaged index (not a database, or corrupt) is not an error: it is
+            moved aside to ``index.sqlite3.damaged-<unix time>`` and the cache starts empty (logged
+            at WARNING, counted in ``stats().index_resets``), at open or whenever it is found later.
     """
 
     def __init__(
@@ -220,21 +225,22 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         self._data_dir = self.cache_dir / DATA_DIR
         self._data = _DataDir(self._data_dir)
         self._db_path = self.cache_dir / INDEX_FILE
-        # Per-process state (rebuilt after fork): the connection and what it has replayed.
+        # Per-process state (rebuilt after fork): the locks, the connection and what it has replayed.
         self._pid = os.getpid()
-        self._conn: sqlite3.Connection | None = None
+        self._lock = DirectoryLock(self.cache_dir, self.timeout)
+        self._conn: IndexConnection | None = None
         self._data_version = -1
         self._view = _IndexView(self._log_bad_row)
         self._chunk_bytes = 0  # bytes of the chunk files, as of the last sync
         self._bad_rows: set[tuple[str, int]] = set()  # malformed rows already logged
         # This instance's counters.
         self._hits = self._misses = self._evictions = self._rejected = self._write_errors = 0
-        self._writes = self._store_errors = 0
+        self._writes = self._store_errors = self._index_resets = 0
         # Write-behind queue of (key, value, namespace, kind).
         self._pending = WriteBehindQueue(lambda item: self._store(*item), self._store_failed,
                                          thread_name="llama-cache-disk-writer")
         with self._lock:
-            self._connection()  # fail early on an unusable directory
+            self._open()  # fail early on an unusable directory
         _reclaim_orphans(self, ORPHAN_GRACE_SECONDS)
         lifecycle.register(self, stage=lifecycle.BACK)
 
@@ -563,6 +569,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                 rejected=self._rejected,
                 writes=self._writes,
                 store_errors=self._store_errors,
+                index_resets=self._index_resets,
             )
 
     @property
@@ -589,6 +596,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             conn, self._conn = self._conn, None
             if conn is not None and self._pid == os.getpid():
                 conn.close()
+            self._lock.close()
 
     def __enter__(self) -> LlamaDiskCache:
         return self
@@ -658,17 +666,42 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     # ------------------------------------------------------------------------------- connection
 
-    def _connection(self) -> sqlite3.Connection:
-        """This process's connection, (re)opened as needed. Lock held."""
+    def _connection(self) -> IndexConnection:
+        """This process's connection, (re)opened as needed, with the directory's lock held. Lock held.
+
+        At the start of a locked section the index is reopened if another process replaced or removed
+        its file, and moved aside and started again if this connection found it damaged.
+
+        Raises:
+            sqlite3.Error: the directory cannot be locked or the index cannot be opened (for callers,
+                an unavailable index like any other).
+        """
         if self._pid != os.getpid():
             self._reset_after_fork()
+        fresh = self._lock.hold_directory()
+        conn = self._conn
+        if conn is not None and fresh and (
+            conn.damaged is not None or conn.stale or file_identity(self._db_path) != conn.identity
+        ):
+            self._conn = None
+            conn.close()
+            if conn.damaged is not None and file_identity(self._db_path) == conn.identity:
+                try:
+                    self._set_aside(conn.damaged)
+                except CacheDirectoryError as error:
+                    raise sqlite3.OperationalError(str(error)) from None
+            else:
+                logger.info("disk cache: %s was replaced or removed by another process; reopening it", self._db_path)
         if self._conn is None:
-            self._open()
+            try:
+                self._open()
+            except CacheDirectoryError as error:
+                raise sqlite3.OperationalError(str(error)) from None
         assert self._conn is not None
         return self._conn
 
     def _open(self) -> None:
-        """Open (creating if needed) the directory and its index.
+        """Open (creating if needed) the directory and its index; a damaged index is moved aside. Lock held.
 
         Raises:
             CacheDirectoryError: the directory or its index cannot be used.
@@ -682,32 +715,53 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                 error.errno, f"cannot use {str(self.cache_dir)!r} as a disk cache directory: {error.strerror or error}"
             ) from None
         try:
-            conn = sqlite3.connect(self._db_path, timeout=self.timeout, isolation_level=None, check_same_thread=False)
+            self._lock.hold_directory()
         except sqlite3.Error as error:
-            raise CacheDirectoryError(f"cannot open the disk cache index {str(self._db_path)!r}: {error}") from None
-        try:
-            self._prepare(conn)
-        except sqlite3.Error as error:
-            conn.close()
-            raise CacheDirectoryError(f"cannot use the disk cache index {str(self._db_path)!r}: {error}") from None
-        except BaseException:
-            conn.close()
-            raise
-        self._conn = conn
-
-    def _prepare(self, conn: sqlite3.Connection) -> None:
-        deadline = time.monotonic() + self.timeout
-        while True:  # switching to WAL needs a moment without other writers
+            raise CacheDirectoryError(str(error)) from None
+        for attempt in range(2):
             try:
-                mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-                break
-            except sqlite3.OperationalError as error:
-                if "locked" not in str(error) or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-        if str(mode).lower() != "wal":
-            raise sqlite3.OperationalError(f"cannot use WAL mode (got {mode})")
-        conn.execute(f"PRAGMA synchronous = {'FULL' if self.fsync else 'NORMAL'}")
+                conn = connect(self._db_path, self.timeout, self.fsync)
+            except sqlite3.Error as error:
+                if attempt or not is_damage(error):
+                    raise CacheDirectoryError(f"cannot open the disk cache index {str(self._db_path)!r}: {error}") from None
+                self._set_aside(error)
+                continue
+            try:
+                self._prepare(conn)
+            except sqlite3.Error as error:
+                conn.close()
+                if attempt or not is_damage(error):
+                    raise CacheDirectoryError(f"cannot use the disk cache index {str(self._db_path)!r}: {error}") from None
+                self._set_aside(error)
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+            return
+
+    def _set_aside(self, damage: sqlite3.Error) -> None:
+        """Move a damaged index aside and count it; the next open starts an empty one. Lock held.
+
+        Raises:
+            CacheDirectoryError: it cannot be moved.
+        """
+        try:
+            aside = move_aside(self._db_path)
+        except OSError as error:
+            raise CacheDirectoryError(
+                error.errno, f"cannot move the damaged disk cache index {str(self._db_path)!r} aside: {error.strerror}"
+            ) from None
+        self._data_version = -1
+        if aside is None:
+            return  # another process moved it first
+        self._index_resets += 1
+        logger.warning(
+            "disk cache: the index %s is damaged (%s); moved it aside to %s and started again empty",
+            self._db_path, damage, aside.name,
+        )
+
+    def _prepare(self, conn: IndexConnection) -> None:
         with _transaction(conn):
             _create_schema(conn, self._db_path)
         conn.execute("BEGIN")
@@ -724,7 +778,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             _ABANDONED.append(self._conn)  # closing it could disturb the parent's locks and WAL
             self._conn = None
         self._pid = os.getpid()
-        self._lock = threading.RLock()
+        self._lock = self._lock.after_fork()
         self._pending.reset_after_fork()
         self._fork_locked = False
         self._data_version = -1  # the in-memory index stays valid; the next sync catches up
