@@ -113,7 +113,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     afterwards or runs past the query's end); among the others (recurrent and hybrid states), the
     longest key that is a prefix of ``query``. It raises ``KeyError`` when none qualifies. ``key in
     cache`` asks the same without touching recency. The lookup costs O(K) in the query length per
-    namespace searched, whatever the number of entries, plus mapping and checksumming the payload.
+    namespace searched, whatever the number of entries, plus reading and checksumming the payload.
 
     Transformer states are stored as a chain of content-addressed KV chunks plus a small chain head
     (tokens, logits): equal prefixes of any two entries are the same chunks, stored once, so a system
@@ -149,9 +149,11 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         write_behind: store in a background thread (default) rather than in the caller's.
         max_pending: states queued for the writer before ``cache[key] = state`` waits.
         fsync: ``fsync`` each payload file and its directory before committing, and commit the index
-            with ``synchronous=FULL``: entries then survive a power loss, not only a crash.
+            with ``synchronous=FULL``: entries then survive a power loss, not only a crash. Without it
+            the index is committed with ``synchronous=OFF``: a crash of the process loses nothing, a
+            power loss may damage the index, which is then moved aside and started again empty.
         compress: ``"zlib"`` (level 6) or a zlib level 1..9 to compress payloads with, or None
-            (default: model states barely compress and decompression defeats zero-copy reads; see
+            (default: model states barely compress, and inflating costs more than reading; see
             ``benchmarks/disk.py``).
         verify: check each payload's checksum when it is read (default). Turning it off saves one pass
             over the bytes but lets a damaged payload reach llama.cpp.
@@ -370,7 +372,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     def __getitem__(self, key: Sequence[int]) -> Any:
         """Return the state of the best entry for ``key`` and make that entry the most recently used.
 
-        A llama-cache state's arrays are read-only views of the memory-mapped payload file (no copy);
+        A llama-cache state's arrays are read-only views of a private copy of the payload file;
         a llama-cpp-python state is rebuilt as its own ``LlamaState`` type.
 
         Raises:
@@ -775,7 +777,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     def _reset_after_fork(self) -> None:
         """In a forked child: drop everything tied to the parent's process (never touch its SQLite)."""
         if self._conn is not None:
-            _ABANDONED.append(self._conn)  # closing it could disturb the parent's locks and WAL
+            _ABANDONED.append(self._conn)  # closing it could disturb the parent's transaction
             self._conn = None
         self._pid = os.getpid()
         self._lock = self._lock.after_fork()

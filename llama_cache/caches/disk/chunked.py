@@ -140,7 +140,7 @@ class BrokenChain(Exception):
 def load(cache: LlamaDiskCache, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> LlamaState:
     """Read a chunked entry: its head, then the chunks covering its first ``upto`` tokens (all: None).
 
-    The state holds views of the memory-mapped files (no copy) and the head's logits only when it
+    The state holds views of private copies of the files and the head's logits only when it
     holds every token of the entry.
 
     Raises:

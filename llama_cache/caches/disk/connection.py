@@ -19,8 +19,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,39 +46,48 @@ class IndexConnection(sqlite3.Connection):
     identity: tuple[int, int] = (-1, -1)
 
     def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
-        cursor = self.cursor(_IndexCursor)
-        with _noting(self):
-            return cursor.execute(sql, parameters)
+        try:
+            return self.cursor(_IndexCursor).execute(sql, parameters)
+        except sqlite3.DatabaseError as error:
+            self.note(error)
+            raise
+
+    def note(self, error: sqlite3.DatabaseError) -> None:
+        """Remember what ``error`` says about the file (damaged, or to be reopened)."""
+        if self.damaged is None and is_damage(error):
+            self.damaged = error
+        elif (getattr(error, "sqlite_errorname", "") or "").startswith(_STALE):
+            self.stale = True
 
 
 class _IndexCursor(sqlite3.Cursor):
     """A cursor noting damage found while stepping through rows too (SQLite reads pages lazily)."""
 
-    connection: IndexConnection
-
     def __next__(self) -> Any:
-        with _noting(self.connection):
+        try:
             return super().__next__()
+        except sqlite3.DatabaseError as error:
+            self._note(error)
+            raise
 
     def fetchone(self) -> Any:
-        with _noting(self.connection):
+        try:
             return super().fetchone()
+        except sqlite3.DatabaseError as error:
+            self._note(error)
+            raise
 
     def fetchall(self) -> list[Any]:
-        with _noting(self.connection):
+        try:
             return super().fetchall()
+        except sqlite3.DatabaseError as error:
+            self._note(error)
+            raise
 
-
-@contextmanager
-def _noting(conn: IndexConnection) -> Iterator[None]:
-    try:
-        yield
-    except sqlite3.DatabaseError as error:
-        if conn.damaged is None and is_damage(error):
-            conn.damaged = error
-        elif (getattr(error, "sqlite_errorname", "") or "").startswith(_STALE):
-            conn.stale = True
-        raise
+    def _note(self, error: sqlite3.DatabaseError) -> None:
+        conn = self.connection
+        if isinstance(conn, IndexConnection):
+            conn.note(error)
 
 
 def is_damage(error: sqlite3.Error) -> bool:
@@ -120,7 +127,9 @@ def connect(db_path: Path, timeout: float, fsync: bool) -> IndexConnection:
             raise sqlite3.OperationalError(f"cannot use a rollback journal (got {mode})")
         conn.execute("PRAGMA locking_mode = NORMAL")
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # ends the exclusive hold
-        conn.execute(f"PRAGMA synchronous = {'FULL' if fsync else 'NORMAL'}")
+        # Without fsync a rollback journal needs no sync at all to survive a crash of the process;
+        # a power loss may then damage the index, which is moved aside (it is a cache).
+        conn.execute(f"PRAGMA synchronous = {'FULL' if fsync else 'OFF'}")
     except BaseException:
         conn.close()
         raise
