@@ -105,7 +105,11 @@ states cannot: such an entry answers only queries its whole key is a prefix of.
 
 Modules of the package (each states its own contract):
 
-- :mod:`.cache`: :class:`LlamaDiskCache` itself: namespaces, lookups, stores, eviction, the connection;
+- :mod:`.cache`: :class:`LlamaDiskCache` itself, the façade: arguments, namespaces, the mapping
+  protocol, statistics, maintenance, the fork and exit hooks;
+- :mod:`.store`: what the façade and the helpers share: the lock, the connection, the view, payload
+  reads, touches and deletes, the counters (no helper takes the façade);
+- :mod:`.writes`: the write path: encode, write new files, commit with eviction, unlink what is freed;
 - :mod:`.view`: the process's in-memory picture of the index, kept in step with the change log;
 - :mod:`.schema`: the SQLite schema and its version, creation and migration, the change-log SQL;
 - :mod:`.rows`: validation of untrusted index rows and the in-memory entry record;

@@ -11,7 +11,7 @@ release. Readers are exclusive too; sections are short (a sync, a commit).
 
 A directory replaced by another one (removed and made again) is noticed when the lock is taken: the
 lock then moves to the new directory. Thread-safety: the lock is the thread-safety. After ``fork`` the
-child makes a new one (:meth:`DirectoryLock.after_fork`); the parent's lock is never released by the
+child resets it (:meth:`DirectoryLock.reset_after_fork`); the parent's lock is never released by the
 child (an ``flock`` belongs to the open file, which the two processes share).
 """
 
@@ -135,8 +135,11 @@ class DirectoryLock:
         if not self._held:
             self._close()
 
-    def after_fork(self) -> DirectoryLock:
-        """A fresh lock for a forked child. The inherited descriptor is closed, never unlocked: closing
-        one of the descriptors sharing an ``flock`` does not release it for the parent."""
+    def reset_after_fork(self) -> None:
+        """In a forked child: start unlocked, on a descriptor of its own. The inherited one is closed,
+        never unlocked: closing one of the descriptors sharing an ``flock`` does not release it for
+        the parent."""
         self._close()
-        return DirectoryLock(self._directory, self._timeout)
+        self._rlock = threading.RLock()
+        self._depth = 0
+        self._held = False

@@ -8,8 +8,8 @@ blocks) and reads only regular files (``fstat``); unlinks go through the same de
 outside ``data/`` is ever removed. Raw payloads are read into a new private buffer, never memory-mapped:
 another process may truncate a file at any instant, and a mapped page past the new end of a file
 faults the reader (SIGBUS) when llama.cpp or the checksum touches it; a read only comes back short.
-Compressed payloads are inflated to exactly their recorded size, never more. New payloads are created with ``O_EXCL`` and
-removed again if writing them fails. POSIX only (``dir_fd``).
+Compressed payloads are inflated to exactly their recorded size, never more. New payloads are created
+with ``O_EXCL`` and removed again if writing them fails. POSIX only (``dir_fd``).
 
 A payload that cannot be read as its row says raises :class:`_Unreadable`, which callers turn into a
 miss. Thread-safe: nothing here holds state beyond the folder's path.
