@@ -217,3 +217,22 @@ def test_a_directory_that_cannot_be_used_still_raises(tmp_path: Path) -> None:
     (blocked / disk.INDEX_FILE).mkdir(parents=True)  # the index cannot be created: not damage
     with pytest.raises(CacheDirectoryError, match="blocked"):
         LlamaDiskCache(blocked)
+
+
+@pytest.mark.parametrize("how", ["emptied", "table dropped"])
+def test_an_index_emptied_in_place_while_in_use_is_started_again(tmp_path: Path, how: str) -> None:
+    directory = tmp_path / "cache"
+    _fill(directory)
+    cache = LlamaDiskCache(directory, write_behind=False)
+    assert len(cache) == 4
+    if how == "emptied":
+        (directory / disk.INDEX_FILE).write_bytes(b"")  # the same file, now an empty database
+    else:
+        outsider = sqlite3.connect(directory / disk.INDEX_FILE, isolation_level=None)
+        outsider.execute("DROP TABLE changes")
+        outsider.close()
+    with pytest.raises(KeyError):
+        cache[[1, 100]]
+    cache[[7, 100]] = make_state([7, 100])
+    assert cache[[7, 100]].n_tokens == 2
+    cache.close()

@@ -113,7 +113,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             ``benchmarks/disk.py``).
         verify: check each payload's checksum when it is read (default). Turning it off saves one pass
             over the bytes but lets a damaged payload reach llama.cpp.
-        timeout: seconds (finite, > 0) to wait for another process's index transaction.
+        timeout: seconds (finite, > 0) to wait for another process using the index (the directory's lock).
         chunk_tokens: tokens per KV chunk (None: by the model's KV bytes per token,
             :func:`~llama_cache.state.chunks.default_chunk_tokens`, 16 for the default model), or 0
             to store every state whole, one payload file each (nothing shared: the fastest store

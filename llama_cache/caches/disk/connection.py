@@ -25,9 +25,11 @@ from typing import Any
 # Errors that mean the index's bytes are not a usable database (as opposed to a busy, full or
 # read-only one): the index is then moved aside and started again.
 _DAMAGE = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
-# Errors that mean this connection no longer fits the file (its header now says WAL, or the file was
-# moved): the index is reopened, and converted back if it was switched to WAL.
+# Errors that mean this connection no longer fits the file (its header now says WAL, the file was
+# moved, or emptied or stripped of a table in place): the index is reopened, which converts it back
+# from WAL and creates missing tables.
 _STALE = ("SQLITE_CANTOPEN", "SQLITE_READONLY_DBMOVED")
+_STALE_MESSAGES = ("no such table", "no such column")
 # Files SQLite keeps beside the index; moved aside or removed with a damaged one.
 _SIDE_FILES = ("-journal", "-wal", "-shm")
 
@@ -37,7 +39,7 @@ class IndexConnection(sqlite3.Connection):
 
     Attributes:
         damaged: the first error saying the database's bytes are damaged, or None.
-        stale: an error said the connection must be reopened.
+        stale: an error said the connection must be reopened (the file changed under it).
         identity: (device, inode) of the index file when it was opened.
     """
 
@@ -56,7 +58,7 @@ class IndexConnection(sqlite3.Connection):
         """Remember what ``error`` says about the file (damaged, or to be reopened)."""
         if self.damaged is None and is_damage(error):
             self.damaged = error
-        elif (getattr(error, "sqlite_errorname", "") or "").startswith(_STALE):
+        elif (getattr(error, "sqlite_errorname", "") or "").startswith(_STALE) or str(error).startswith(_STALE_MESSAGES):
             self.stale = True
 
 
