@@ -236,3 +236,18 @@ def test_an_index_emptied_in_place_while_in_use_is_started_again(tmp_path: Path,
     cache[[7, 100]] = make_state([7, 100])
     assert cache[[7, 100]].n_tokens == 2
     cache.close()
+
+
+def test_an_index_left_in_wal_mode_by_an_earlier_version_keeps_its_entries(tmp_path: Path) -> None:
+    directory = tmp_path / "cache"
+    _fill(directory)
+    earlier = sqlite3.connect(directory / disk.INDEX_FILE, isolation_level=None)  # as llama-cache did
+    assert earlier.execute("PRAGMA journal_mode = WAL").fetchone()[0] == "wal"
+    earlier.close()
+    with LlamaDiskCache(directory, write_behind=False) as cache:
+        assert len(cache) == 4 and cache[[3, 100]].n_tokens == 2
+        assert cache.stats().index_resets == 0
+        with open(f"/proc/{os.getpid()}/maps") as maps:
+            assert "-shm" not in maps.read()
+    with open(directory / disk.INDEX_FILE, "rb") as index:
+        assert index.read(20)[18:20] == b"\x01\x01"  # a rollback journal again
