@@ -394,7 +394,7 @@ def test_change_log_trimming_makes_a_lagging_process_rebuild(
             writer[[token - 3]]  # touches are logged too
     assert list(reader.keys()) == list(writer.keys())
     assert len(reader) == len(writer) == 8 and reader.cache_size == writer.cache_size == 8 * size
-    assert reader._view.last_seq == writer._view.last_seq
+    assert reader._store.view.last_seq == writer._store.view.last_seq
     assert pattern_ok(reader[[39]])
 
 
