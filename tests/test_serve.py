@@ -837,3 +837,17 @@ def test_the_contexts_run_with_the_configured_threads_and_flash_attention(server
         assert (params.n_threads, params.n_threads_batch) == (physical_cores(), physical_cores())
         assert (params.n_batch, params.n_ubatch) == (512, 512)
         assert params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+
+
+def test_a_damaged_disk_index_is_moved_aside_and_counted_the_server_starts(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    LlamaDiskCache(cache_dir).close()
+    index = next(path for path in cache_dir.iterdir() if path.name.startswith("index") and path.suffix == ".sqlite3")
+    index.write_bytes(b"garbage, not SQLite" * 100)
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, cache_dir=cache_dir))
+    try:
+        assert live.client().completions.create(model="m", prompt="Hi", max_tokens=2).choices
+        assert live.metrics()['llama_cache_cache_index_resets_total{tier="disk"}'] == 1
+    finally:
+        live.stop()
+    assert any(path.name.startswith(index.name + ".damaged-") for path in cache_dir.iterdir())
