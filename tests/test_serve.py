@@ -808,6 +808,18 @@ def test_two_servers_share_prompt_states_through_disk_and_redis(tmp_path: Path) 
     assert metrics["llama_cache_prompt_tokens_cached_total"] >= answer.usage.prompt_tokens - 2
 
 
+def test_physical_cores_counts_sibling_sets_among_the_cpus_it_may_use(tmp_path: Path) -> None:
+    # A host of 2 cores with 2 hyperthreads each: CPUs 0 and 2 are one core, 1 and 3 the other.
+    for cpu, mask in ((0, "5"), (1, "a"), (2, "5"), (3, "a")):
+        folder = tmp_path / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "thread_siblings").write_text(mask + "\n")
+    assert physical_cores({0, 2}, tmp_path) == 1  # a cpuset of one core's two siblings
+    assert physical_cores({0, 1}, tmp_path) == physical_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert physical_cores({3}, tmp_path) == 1
+    assert physical_cores({0, 1, 2}, tmp_path / "absent") == 3  # no topology: every CPU counts
+
+
 def test_threads_flash_attention_and_body_limit_settings() -> None:
     import argparse
 
