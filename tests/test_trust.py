@@ -212,6 +212,13 @@ def test_file_identity_is_remembered_and_follows_changes(tmp_path: Path, monkeyp
     assert file_identity(path) != first
 
 
+def test_the_suite_remembers_identities_in_a_home_of_its_own(tmp_path_factory: pytest.TempPathFactory) -> None:
+    home = Path(os.environ["LLAMA_CACHE_HOME"])  # set by conftest for the session
+    assert home.is_relative_to(tmp_path_factory.getbasetemp())
+    file_identity(default_model_path())
+    assert fingerprint_module._memo_file() == home / "file-identities.json"
+
+
 def test_logits_all_states_carry_the_fingerprint_and_a_foreign_one_is_a_miss() -> None:
     first = _make(logits_all=True)
     cache = LlamaRAMCache(capacity_bytes=1 << 30)
