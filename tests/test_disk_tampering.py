@@ -12,6 +12,7 @@ both loops long).
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -346,13 +347,20 @@ def test_an_unusable_directory_raises_an_os_error_naming_it(tmp_path: Path) -> N
     (blocked / disk.INDEX_FILE).mkdir(parents=True)  # the index cannot be created
     with pytest.raises(CacheDirectoryError, match="blocked"):
         LlamaDiskCache(blocked)
+    # Directories that cannot be created, whoever asks (root ignores permissions, not these): the same
+    # branch a read-only directory takes, with its own errno.
+    for unusable, code in ((not_a_dir / "cache", errno.ENOTDIR), (tmp_path / ("x" * 300), errno.ENAMETOOLONG)):
+        with pytest.raises(CacheDirectoryError) as caught:
+            LlamaDiskCache(unusable)
+        assert caught.value.errno == code and str(unusable) in str(caught.value)
     if os.geteuid() != 0:  # root ignores permissions
         read_only = tmp_path / "ro"
         read_only.mkdir()
         read_only.chmod(0o555)
         try:
-            with pytest.raises(OSError, match="ro"):
+            with pytest.raises(CacheDirectoryError) as caught:
                 LlamaDiskCache(read_only)
+            assert caught.value.errno == errno.EACCES and str(read_only) in str(caught.value)
         finally:
             read_only.chmod(0o755)
 
