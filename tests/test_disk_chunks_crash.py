@@ -2,8 +2,9 @@
 
 A zygote process forks writers that store states sharing prefixes (so chunks are shared, partial tails
 absorbed, and entries evicted from a small capacity), delete some and look some up; the test kills
-each with SIGKILL at a random instant, then opens the directory and checks every entry against the
-bytes :func:`tests.test_disk_chunks.kv_state` makes for its tokens.
+each with SIGKILL at a random instant (or the writer kills itself right after writing a payload file),
+then opens the directory and checks every entry against the bytes
+:func:`tests.test_disk_chunks.kv_state` makes for its tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ CHUNK_TOKENS = 4
 
 _ZYGOTE = textwrap.dedent(
     f"""
-    import os, random, sys
+    import os, random, signal, sys
     from llama_cache.caches.disk import LlamaDiskCache
     from tests.test_disk_chunks import kv_state, restores_exactly
 
@@ -41,7 +42,19 @@ _ZYGOTE = textwrap.dedent(
     def make_key(rng):
         return rng.choice(PREFIXES) + [rng.randrange(1, 4) for _ in range(rng.randrange(0, 10))] + [0]
 
-    def child(seed, directory):
+    def child(seed, directory, writes):
+        if writes:  # SIGKILL itself right after its writes-th payload file, before the index names it
+            from llama_cache.caches.disk import payloads
+            write, written = payloads._DataDir.write, []
+
+            def write_then_die(*args, **kwargs):
+                size = write(*args, **kwargs)
+                written.append(size)
+                if len(written) == writes:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return size
+
+            payloads._DataDir.write = write_then_die
         rng = random.Random(seed)
         cache = LlamaDiskCache(directory, capacity_bytes={CAPACITY}, chunk_tokens={CHUNK_TOKENS},
                                write_behind=rng.random() < 0.5)
@@ -67,12 +80,12 @@ _ZYGOTE = textwrap.dedent(
 
     directory = sys.argv[1]
     for line in sys.stdin:
-        command, value = line.split()
+        command, value, writes = line.split()
         if command == "spawn":
             pid = os.fork()
             if pid == 0:
                 try:
-                    child(int(value), directory)
+                    child(int(value), directory, int(writes))
                 finally:
                     os._exit(4)
             print(pid, flush=True)
@@ -101,9 +114,15 @@ def _verify(directory: Path) -> tuple[int, int]:
     return size, len(report.orphan_files)
 
 
+ROUNDS = 30
+FILLING_WRITES = 120  # the first writer's payload files before it dies: enough to fill the capacity
+
+
 def test_chunked_writers_killed_at_random_instants_leave_exact_entries(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Every third writer kills itself right after writing a payload file (an orphan, by construction);
+    the others are killed by the test at a random instant. Bounded by rounds, not by time."""
     directory = tmp_path / "cache"
     zygote = subprocess.Popen(
         [sys.executable, "-c", _ZYGOTE, str(directory)],
@@ -111,23 +130,22 @@ def test_chunked_writers_killed_at_random_instants_leave_exact_entries(
     )
     assert zygote.stdin is not None and zygote.stdout is not None
     rng = random.Random(2026)
-    rounds = 0
     sizes, orphans = [], []
-    start = time.monotonic()
     try:
         with caplog.at_level(logging.WARNING, logger="llama_cache"):
-            while rounds < 40 and time.monotonic() - start < 45:
-                zygote.stdin.write(f"spawn {rounds}\n")
+            for round_ in range(ROUNDS):
+                writes = 0 if round_ % 3 else FILLING_WRITES if round_ == 0 else rng.randrange(1, 40)
+                zygote.stdin.write(f"spawn {round_} {writes}\n")
                 zygote.stdin.flush()
                 pid = int(zygote.stdout.readline())
-                time.sleep(rng.uniform(0.02, 0.4))
-                os.kill(pid, signal.SIGKILL)
-                zygote.stdin.write(f"reap {pid}\n")
+                if not writes:
+                    time.sleep(rng.uniform(0.02, 0.4))
+                    os.kill(pid, signal.SIGKILL)
+                zygote.stdin.write(f"reap {pid} 0\n")
                 zygote.stdin.flush()
                 status = int(zygote.stdout.readline())
                 # Killed, not exited: a child that read wrong bytes exits with 3.
                 assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
-                rounds += 1
                 size, orphaned = _verify(directory)
                 sizes.append(size)
                 orphans.append(orphaned)
@@ -135,7 +153,6 @@ def test_chunked_writers_killed_at_random_instants_leave_exact_entries(
         zygote.stdin.close()
         zygote.wait(timeout=10)
         zygote.stdout.close()
-    assert rounds >= 25
-    assert max(sizes) > CAPACITY * 0.7  # the capacity was reached: stores evicted
-    assert sum(orphans) > 0  # some kills came between writing files and committing or unlinking them
+    assert sizes[0] > CAPACITY * 0.7  # the capacity was reached: stores evicted
+    assert all(orphans[round_] > 0 for round_ in range(0, ROUNDS, 3))  # the self-killed writers' files
     assert not [record for record in caplog.records if record.levelno >= logging.WARNING]

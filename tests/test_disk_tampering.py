@@ -3,12 +3,16 @@
 Each test tampers with a real cache directory the way another user of a shared directory could, then
 checks that the cache only misses (logged), never touches a file outside its folder, never blocks,
 never allocates what a forged row asks for, and that ``check(fix=True)`` repairs what it finds. The
-last tests run a seeded loop of random tampering under real completions of the default model.
+last tests run seeded loops of random tampering under real completions of the default model: one
+tampers between completions, the other rewrites, truncates and deletes the files from another process
+while completions run (LLAMA_CACHE_REWRITE_COMPLETIONS sets its length; LLAMA_CACHE_FUZZ_LONG=1 runs
+both loops long).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -338,22 +342,25 @@ def test_an_unusable_directory_raises_an_os_error_naming_it(tmp_path: Path) -> N
     with pytest.raises(CacheDirectoryError, match="file") as caught:
         LlamaDiskCache(not_a_dir)
     assert isinstance(caught.value, OSError) and not isinstance(caught.value, sqlite3.Error)
-    garbage = tmp_path / "garbage"
-    garbage.mkdir()
-    (garbage / disk.INDEX_FILE).write_bytes(b"not a database at all" * 100)
-    with pytest.raises(CacheDirectoryError, match="garbage"):
-        LlamaDiskCache(garbage)
+    # A damaged index is not one of these: it is moved aside (tests/test_disk_rewritten.py).
     blocked = tmp_path / "blocked"
     (blocked / disk.INDEX_FILE).mkdir(parents=True)  # the index cannot be created
     with pytest.raises(CacheDirectoryError, match="blocked"):
         LlamaDiskCache(blocked)
+    # Directories that cannot be created, whoever asks (root ignores permissions, not these): the same
+    # branch a read-only directory takes, with its own errno.
+    for unusable, code in ((not_a_dir / "cache", errno.ENOTDIR), (tmp_path / ("x" * 300), errno.ENAMETOOLONG)):
+        with pytest.raises(CacheDirectoryError) as caught:
+            LlamaDiskCache(unusable)
+        assert caught.value.errno == code and str(unusable) in str(caught.value)
     if os.geteuid() != 0:  # root ignores permissions
         read_only = tmp_path / "ro"
         read_only.mkdir()
         read_only.chmod(0o555)
         try:
-            with pytest.raises(OSError, match="ro"):
+            with pytest.raises(CacheDirectoryError) as caught:
                 LlamaDiskCache(read_only)
+            assert caught.value.errno == errno.EACCES and str(read_only) in str(caught.value)
         finally:
             read_only.chmod(0o755)
 
@@ -742,3 +749,128 @@ def test_random_tampering_under_real_completions(tmp_path: Path) -> None:
 @pytest.mark.skipif(not os.environ.get("LLAMA_CACHE_FUZZ_LONG"), reason="set LLAMA_CACHE_FUZZ_LONG=1 (about 5 minutes)")
 def test_random_tampering_under_real_completions_long(tmp_path: Path) -> None:
     _assert_clean(_fuzz(tmp_path, trials=1000, seed=99))
+
+
+# -- a real model while another process rewrites, truncates and deletes the directory's files ---------
+
+_COMPLETING_CHILD = """
+    import json, logging, random, sys
+    import llama_cache
+    from llama_cache.caches.disk import LlamaDiskCache
+    from llama_cache.llama import Llama
+    logging.basicConfig(level=logging.CRITICAL)
+    directory, completions, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    prompts = json.loads(sys.argv[4])
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=512, verbose=False, seed=0)
+    cold = {}
+    for prompt in prompts:
+        llm.reset()
+        cold[prompt] = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+    cache = LlamaDiskCache(directory, capacity_bytes=64 << 20, chunk_tokens=4)
+    llm.set_cache(cache)
+    print("ready", flush=True)
+    rng = random.Random(seed)
+    figures = {"completions": 0, "exceptions": 0, "wrong_texts": 0, "failures": []}
+    for _ in range(completions):
+        prompt = rng.choice(prompts)
+        llm.reset()
+        try:
+            text = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+        except Exception as error:  # counted and reported
+            figures["exceptions"] += 1
+            figures["failures"].append(f"{type(error).__name__}: {error}")
+            continue
+        figures["completions"] += 1
+        if text != cold[prompt]:
+            figures["wrong_texts"] += 1
+            figures["failures"].append(f"{text!r} != {cold[prompt]!r}")
+    stats = cache.stats()
+    figures.update(hits=stats.hits, misses=stats.misses, index_resets=stats.index_resets)
+    cache.close()
+    print(json.dumps(figures), flush=True)
+"""
+
+
+def _vandalize(rng: random.Random, directory: Path) -> str:
+    """Rewrite, truncate or delete one file of the directory (the index and its journal included),
+    or the whole index or a payload folder; returns what it did."""
+    files = [p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()]
+    act = rng.choice(["rewrite", "rewrite", "truncate", "truncate", "delete", "delete", "index", "folder"])
+    try:
+        if act == "index":
+            target = directory / disk.INDEX_FILE
+            target.write_bytes(os.urandom(rng.randrange(4096)) if rng.random() < 0.5 else b"")
+            return act
+        if act == "folder":
+            folders = [p for p in (directory / disk.DATA_DIR).iterdir() if p.is_dir()]
+            if folders:
+                shutil.rmtree(rng.choice(folders), ignore_errors=True)
+            return act
+        if not files:
+            return "nothing"
+        target = rng.choice(files)
+        size = target.stat().st_size
+        if act == "rewrite":  # as `cp other file` would: cut, then other bytes, any length
+            with open(target, "wb") as handle:
+                handle.write(os.urandom(rng.randrange(size + 1)))
+        elif act == "truncate":
+            with open(target, "r+b") as handle:
+                handle.truncate(rng.randrange(size + 1))
+        else:
+            target.unlink()
+    except OSError:
+        return f"{act} (gone meanwhile)"
+    return act
+
+
+def _rewrite_fuzz(tmp_path: Path, completions: int, seed: int) -> dict[str, Any]:
+    """Completions of the default model in a child process through a disk cache whose files this
+    process rewrites, truncates and deletes meanwhile (seeded), until the child finishes.
+
+    Returns:
+        The child's figures (completions, exceptions, wrong texts, hits, index resets), whether it
+        crashed (killed by a signal or exited with an error) and the acts done.
+    """
+    directory = tmp_path / "cache"
+    child = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_COMPLETING_CHILD), str(directory), str(completions), str(seed),
+         json.dumps(_PROMPTS)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )
+    assert child.stdout is not None
+    ready = child.stdout.readline()
+    rng = random.Random(seed)
+    acts: dict[str, int] = {}
+    while ready == "ready\n" and child.poll() is None:
+        act = _vandalize(rng, directory)
+        acts[act] = acts.get(act, 0) + 1
+        time.sleep(rng.random() * 0.02)
+    out, err = child.communicate(timeout=600)
+    crashed = child.returncode != 0 or ready != "ready\n"
+    figures: dict[str, Any] = {"crashed": crashed, "returncode": child.returncode, "acts": acts}
+    if crashed:
+        figures["stderr"] = err[-3000:]
+    else:
+        figures.update(json.loads(out.strip().splitlines()[-1]))
+    return figures
+
+
+def _assert_survived(figures: dict[str, Any], completions: int) -> None:
+    print(json.dumps(figures))  # the figures, for whoever runs pytest -s
+    assert not figures["crashed"], figures
+    assert figures["exceptions"] == figures["wrong_texts"] == 0, figures["failures"][:10]
+    assert figures["completions"] == completions
+    assert sum(n for act, n in figures["acts"].items() if act != "nothing") > 0
+
+
+@pytest.mark.model
+def test_rewriting_the_directory_under_live_completions(tmp_path: Path) -> None:
+    completions = int(os.environ.get("LLAMA_CACHE_REWRITE_COMPLETIONS", "8"))
+    _assert_survived(_rewrite_fuzz(tmp_path, completions, seed=4321), completions)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("LLAMA_CACHE_FUZZ_LONG"), reason="set LLAMA_CACHE_FUZZ_LONG=1 (about 5 minutes)")
+def test_rewriting_the_directory_under_live_completions_long(tmp_path: Path) -> None:
+    _assert_survived(_rewrite_fuzz(tmp_path, 600, seed=77), 600)

@@ -1,10 +1,17 @@
-"""The exit and fork hooks' registry: caches are flushed and forked in the write pipeline's order."""
+"""The exit and fork hooks' registry: caches are flushed and forked in the write pipeline's order.
+
+Each test uses a registry of its own, or forks in a subprocess: the process's registry holds the caches
+other tests left alive, whose hooks must not run here.
+"""
 
 from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -31,23 +38,26 @@ class _Recorded:
 
 def test_the_front_drains_first_and_is_released_last() -> None:
     log: list[str] = []
+    registry = lifecycle.Registry()
     back = _Recorded("disk", log)
     front = _Recorded("tiered", log)
-    lifecycle.register(back, stage=lifecycle.BACK)  # registered first, still after the front
-    lifecycle.register(front, stage=lifecycle.FRONT)
-    lifecycle._flush_all()  # noqa: SLF001
-    lifecycle._before_fork()  # noqa: SLF001
-    lifecycle._after_fork_in_parent()  # noqa: SLF001
-    lifecycle._after_fork_in_child()  # noqa: SLF001
-    ours = [line for line in log if line.endswith(("disk", "tiered"))]
-    assert ours == ["flush tiered", "flush disk", "before tiered", "before disk",
-                    "parent disk", "parent tiered", "child disk", "child tiered"]
+    registry.register(back, stage=lifecycle.BACK)  # registered first, still after the front
+    registry.register(front, stage=lifecycle.FRONT)
+    registry.flush_all()
+    registry.before_fork()
+    registry.after_fork_in_parent()
+    registry.after_fork_in_child()
+    assert log == ["flush tiered", "flush disk", "before tiered", "before disk",
+                   "parent disk", "parent tiered", "child disk", "child tiered"]
+    with pytest.raises(ValueError):
+        registry.register(front, stage=2)
     with pytest.raises(ValueError):
         lifecycle.register(front, stage=2)
 
 
 def test_registration_keeps_nothing_alive_and_a_failing_flush_does_not_stop_the_others() -> None:
     log: list[str] = []
+    registry = lifecycle.Registry()
 
     class _Failing(_Recorded):
         def flush(self) -> None:
@@ -55,33 +65,51 @@ def test_registration_keeps_nothing_alive_and_a_failing_flush_does_not_stop_the_
 
     failing = _Failing("failing", log)
     survivor = _Recorded("survivor", log)
-    lifecycle.register(failing, stage=lifecycle.FRONT)
-    lifecycle.register(survivor, stage=lifecycle.BACK)
-    lifecycle._flush_all()  # noqa: SLF001
-    assert "flush survivor" in log
+    registry.register(failing, stage=lifecycle.FRONT)
+    registry.register(survivor, stage=lifecycle.BACK)
+    registry.flush_all()
+    assert log == ["flush survivor"]
     gone = _Recorded("gone", log)
-    lifecycle.register(gone, stage=lifecycle.BACK)
+    registry.register(gone, stage=lifecycle.BACK)
     del gone, failing
     gc.collect()
     log.clear()
-    lifecycle._flush_all()  # noqa: SLF001
-    assert "flush gone" not in log and "flush survivor" in log
+    registry.flush_all()
+    assert log == ["flush survivor"]
+
+
+_FORKING = """
+import os
+from llama_cache.caches import lifecycle
+
+log = []
+
+class Recorded:
+    def flush(self): print("flushed at exit")
+    def _before_fork(self): log.append("before")
+    def _after_fork_in_parent(self): log.append("parent")
+    def _reset_after_fork(self): log.append("child")
+
+cache = Recorded()
+lifecycle.register(cache, stage=lifecycle.BACK)
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:  # the child reports what it saw, then leaves without running the parent's atexit hooks
+    os.close(read)
+    os.write(write, ",".join(log).encode())
+    os._exit(0)
+os.close(write)
+with os.fdopen(read, "rb") as pipe:
+    print(pipe.read().decode())
+os.waitpid(pid, 0)
+print(",".join(log))
+"""
 
 
 @pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "win32", reason="needs fork")
-def test_a_real_fork_runs_the_hooks_in_parent_and_child() -> None:
-    log: list[str] = []
-    cache = _Recorded("forked", log)
-    lifecycle.register(cache, stage=lifecycle.BACK)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child reports what it saw, then leaves without running the parent's atexit hooks
-        os.close(read)
-        os.write(write, ",".join(line for line in log if line.endswith("forked")).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        child_log = pipe.read().decode()
-    os.waitpid(pid, 0)
-    assert child_log == "before forked,child forked"
-    assert [line for line in log if line.endswith("forked")] == ["before forked", "parent forked"]
+def test_a_real_fork_and_exit_run_the_process_hooks() -> None:
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(_FORKING)], env=env, capture_output=True,
+                            text=True, timeout=120, check=True)
+    assert result.stdout.splitlines() == ["before,child", "before,parent", "flushed at exit"]

@@ -18,10 +18,17 @@ PROMPT = (
 
 
 @pytest.fixture(scope="module")
-def llm() -> Iterator[llama_cpp.Llama]:
+def model() -> Iterator[llama_cpp.Llama]:
     model = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=1024, seed=0, verbose=False)
     yield model
     model.close()
+
+
+@pytest.fixture
+def llm(model: llama_cpp.Llama) -> llama_cpp.Llama:
+    """The module's model with nothing evaluated: no test reuses the tokens another left in its context."""
+    model.reset()
+    return model
 
 
 def _complete(llm: llama_cpp.Llama, prompt: list[int], max_tokens: int = 8) -> tuple[list[int], int]:

@@ -409,22 +409,39 @@ def test_every_evaluation_runs_on_the_compute_thread(server: LiveServer) -> None
 
 
 def test_a_client_that_disconnects_while_its_prompt_is_read_stops_it_at_the_next_chunk(
-    server: LiveServer,
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     compute = server.engine.compute
     batch = server.engine.pool.slots[0].llama.n_batch
     words = " ".join(["river", "stone", "garden", "window"] * 200)  # over one batch of tokens, under N_CTX
     prompt_tokens = len(server.engine.pool.slots[0].llama.tokenize(words.encode()))
     assert batch < prompt_tokens < N_CTX - 8
+    # The prompt's first chunk, once evaluated, waits until the server has seen the client leave.
+    reading = threading.Event()
+    chunks: list[int] = []
+    evaluate = compute.evaluate
+
+    def held_evaluate(function: Any, tokens: Any, size: int, cancelled: Any = None) -> None:
+        def held(chunk: Any) -> None:
+            function(chunk)
+            chunks.append(len(chunk))
+            if len(chunks) == 1:
+                reading.set()
+                _wait_for(cancelled)
+
+        evaluate(held if len(tokens) > size else function, tokens, size, cancelled)
+
+    monkeypatch.setattr(compute, "evaluate", held_evaluate)
     before, tokens_before = server.metrics(), compute.tokens
     status = 'llama_cache_requests_total{endpoint="/v1/completions",status="499"}'
     with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
                       json={"prompt": words, "max_tokens": 4, "stream": True}) as response:
         assert response.status_code == 200
-        time.sleep(0.3)  # the first chunk is being evaluated; leave
+        assert reading.wait(timeout=30)  # the first chunk is evaluated; leave
     _wait_for(lambda: server.metrics().get(status, 0) > before.get(status, 0)
               and server.metrics()["llama_cache_requests_running"] == 0)
-    assert compute.tokens - tokens_before == batch  # one chunk, not the whole prompt
+    assert len(chunks) == 1 and 0 < chunks[0] <= batch  # one chunk, not the whole prompt
+    assert compute.tokens - tokens_before == chunks[0]
     # The context holds that chunk consistently: the next request on it is answered as usual.
     assert server.client().completions.create(model="m", prompt=words[:200], max_tokens=2, temperature=0).choices
 
@@ -796,6 +813,18 @@ def test_two_servers_share_prompt_states_through_disk_and_redis(tmp_path: Path) 
     assert metrics["llama_cache_prompt_tokens_cached_total"] >= answer.usage.prompt_tokens - 2
 
 
+def test_physical_cores_counts_sibling_sets_among_the_cpus_it_may_use(tmp_path: Path) -> None:
+    # A host of 2 cores with 2 hyperthreads each: CPUs 0 and 2 are one core, 1 and 3 the other.
+    for cpu, mask in ((0, "5"), (1, "a"), (2, "5"), (3, "a")):
+        folder = tmp_path / f"cpu{cpu}" / "topology"
+        folder.mkdir(parents=True)
+        (folder / "thread_siblings").write_text(mask + "\n")
+    assert physical_cores({0, 2}, tmp_path) == 1  # a cpuset of one core's two siblings
+    assert physical_cores({0, 1}, tmp_path) == physical_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert physical_cores({3}, tmp_path) == 1
+    assert physical_cores({0, 1, 2}, tmp_path / "absent") == 3  # no topology: every CPU counts
+
+
 def test_threads_flash_attention_and_body_limit_settings() -> None:
     import argparse
 
@@ -837,3 +866,17 @@ def test_the_contexts_run_with_the_configured_threads_and_flash_attention(server
         assert (params.n_threads, params.n_threads_batch) == (physical_cores(), physical_cores())
         assert (params.n_batch, params.n_ubatch) == (512, 512)
         assert params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+
+
+def test_a_damaged_disk_index_is_moved_aside_and_counted_the_server_starts(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    LlamaDiskCache(cache_dir).close()
+    index = next(path for path in cache_dir.iterdir() if path.name.startswith("index") and path.suffix == ".sqlite3")
+    index.write_bytes(b"garbage, not SQLite" * 100)
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, cache_dir=cache_dir))
+    try:
+        assert live.client().completions.create(model="m", prompt="Hi", max_tokens=2).choices
+        assert live.metrics()['llama_cache_cache_index_resets_total{tier="disk"}'] == 1
+    finally:
+        live.stop()
+    assert any(path.name.startswith(index.name + ".damaged-") for path in cache_dir.iterdir())

@@ -18,15 +18,20 @@ from llama_cache.server.compute import (
 
 
 class _Recorder:
-    """Evaluate functions that record (name, slice length, thread) in one shared list."""
+    """Evaluate functions that record (name, slice length, thread) in one shared list.
+
+    ``held`` is set when a slice starts waiting for its gate: the compute thread is then busy with it.
+    """
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, int]] = []
+        self.held = threading.Event()
 
     def evaluator(self, name: str, gate: threading.Event | None = None):  # type: ignore[no-untyped-def]
         def evaluate(tokens: Sequence[int]) -> None:
             if gate is not None and not gate.is_set():
-                gate.wait(10)
+                self.held.set()
+                assert gate.wait(10)
             self.calls.append((name, len(tokens), threading.get_ident()))
         return evaluate
 
@@ -69,8 +74,7 @@ def test_short_evaluations_go_between_the_chunks_of_a_long_one_and_the_oldest_pr
     gate = threading.Event()
     try:
         long_one = _submit(compute, recorder.evaluator("long", gate), list(range(1000)))
-        _wait_until(lambda: compute.waiting == 0 and not gate.is_set() and compute.evaluations == 0)
-        time.sleep(0.05)  # the first chunk is running (blocked on the gate)
+        assert recorder.held.wait(10)  # the first chunk is running (blocked on the gate)
         later = _submit(compute, recorder.evaluator("later"), list(range(300)))
         _wait_until(lambda: compute.waiting == 1)
         shorts = [_submit(compute, recorder.evaluator(f"short{i}"), [i]) for i in range(2)]
@@ -97,7 +101,7 @@ def test_what_is_left_of_a_long_evaluation_waits_with_the_short_ones() -> None:
     tokens = 512 + SHORT_TOKENS  # after one batch, SHORT_TOKENS are left: a short evaluation
     try:
         first = _submit(compute, recorder.evaluator("prompt", gate), list(range(tokens)))
-        time.sleep(0.05)
+        assert recorder.held.wait(10)
         step = _submit(compute, recorder.evaluator("step"), [1])
         _wait_until(lambda: compute.waiting == 1)
         gate.set()
@@ -186,7 +190,7 @@ def test_calls_run_on_the_compute_thread_in_turn_with_short_evaluations() -> Non
     results: list[int] = []
     try:
         prompt = _submit(compute, recorder.evaluator("prompt", gate), list(range(600)))
-        time.sleep(0.05)
+        assert recorder.held.wait(10)
         step = _submit(compute, recorder.evaluator("step"), [1])
         _wait_until(lambda: compute.waiting == 1)
         copier = threading.Thread(target=lambda: results.append(

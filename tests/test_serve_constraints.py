@@ -495,8 +495,8 @@ _BAD_TOOL_REQUESTS = [
     ({"tools": [_WEATHER_TOOL], "tool_choice": {"name": "weather"}}, "tool_choice", "invalid_value"),
     ({"tools": [_WEATHER_TOOL], "tool_choice": "any"}, "tool_choice", "invalid_value"),
     ({"tool_choice": _named("weather")}, "tool_choice", "invalid_value"),
-    ({"tools": [_WEATHER_TOOL], "tool_choice": "required"}, "tool_choice", "unsupported_parameter"),
-    ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call", "unsupported_parameter"),
+    ({"tool_choice": "required"}, "tool_choice", "invalid_value"),  # no tool to call
+    ({"functions": [{"name": "f"}], "function_call": "required"}, "function_call", "invalid_value"),  # not legacy
     ({"functions": [{"name": "f"}], "function_call": {"name": "g"}}, "function_call", "invalid_value"),
     ({"functions": [{"name": "f"}], "tools": [_WEATHER_TOOL]}, "functions", "invalid_value"),
     ({"tools": [_WEATHER_TOOL], "tool_choice": _named("weather"), "response_format": {"type": "json_object"}},
@@ -515,13 +515,6 @@ def test_bad_tools_are_a_400_naming_the_field(server: LiveServer, extra: dict[st
     error = response.json()["error"]
     assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error")
     assert error["message"]
-
-
-def test_required_is_refused_as_not_supported_yet(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(
-            model="m", messages=_MESSAGES, tools=[_WEATHER_TOOL], tool_choice="required", max_tokens=4)
-    assert raised.value.code == "unsupported_parameter" and "not supported yet" in raised.value.message
 
 
 def test_unconstrained_greedy_answers_are_unchanged(client: openai.OpenAI) -> None:

@@ -85,6 +85,7 @@ _valid_sampling = st.fixed_dictionaries({"max_tokens": st.integers(1, 4)}, optio
     "seed": st.integers(0, 1 << 32), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
     "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
     "stream": st.booleans(), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "n": st.integers(1, 3), "grammar": st.sampled_from(['root ::= "a" | "b"', 'root ::= [0-9]+ "."']),
 })
 _any_sampling = st.fixed_dictionaries({}, optional={
     "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), _json_leaf),
@@ -96,7 +97,13 @@ _any_sampling = st.fixed_dictionaries({}, optional={
     "stream": st.one_of(st.booleans(), _json_leaf),
     "n": st.integers(0, 3), "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
     "model": st.one_of(st.text(max_size=10), _json_leaf),
-    "response_format": st.one_of(st.just({"type": "json_object"}), _json),
+    "response_format": st.one_of(st.just({"type": "json_object"}), _json,
+                                 st.builds(lambda schema: {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                                           st.one_of(_schema, _json))),
+    "logprobs": st.one_of(st.booleans(), st.integers(-2, 25), _json_leaf),
+    "top_logprobs": st.one_of(st.integers(-2, 25), _json_leaf),
+    "stream_options": st.one_of(st.just({"include_usage": True}), _json),
+    "grammar": st.one_of(st.text(max_size=40), st.just("root ::= " + "(" * 2000), _json_leaf),
 })
 _valid_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "developer"]),
                                         "content": st.text(max_size=200)})

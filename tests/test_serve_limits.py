@@ -97,8 +97,7 @@ _REFUSED: list[tuple[str, Any, str, str | None]] = [
      "limit_exceeded", "tools[0].parameters"),
     (_CHAT, {"messages": _USER, "tools": [_schema_tool([1, 2])]}, "invalid_value", "tools"),
     (_CHAT, {"messages": _USER, "tools": [1, 2]}, "invalid_value", "tools"),
-    (_CHAT, {"messages": _USER, "tools": [_schema_tool({})], "tool_choice": "required"}, "unsupported_parameter",
-     "tool_choice"),
+    (_CHAT, {"messages": _USER, "tool_choice": "required"}, "invalid_value", "tool_choice"),
 ]
 
 

@@ -441,3 +441,35 @@ def test_chat_template_file_renders_the_prompt(tmp_path: Path) -> None:
         live.stop()
     with pytest.raises(ValueError):
         ServerConfig(chat_template_file=tmp_path / "missing.jinja")
+
+
+# ---------------------------------------------------------------------------------- GBNF grammars
+
+_YES_NO = 'root ::= answer "."\nanswer ::= "yes" | "no"'
+
+
+def test_a_gbnf_grammar_constrains_completions_and_chat(server: LiveServer) -> None:
+    for path, body in (("/v1/completions", {"prompt": "Is water wet? Answer:"}),
+                       ("/v1/chat/completions", {"messages": _ask("Is water wet?")})):
+        response = httpx.post(server.url + path, json={**body, "grammar": _YES_NO, "max_tokens": 10, "n": 2,
+                                                         "temperature": 1.0, "seed": 5}, timeout=60)
+        assert response.status_code == 200, response.text
+        for choice in response.json()["choices"]:
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            assert text in ("yes.", "no.") and choice["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(("grammar", "code"), [
+    ("root ::= (", "invalid_schema"),
+    ("root ::= missing", "invalid_schema"),
+    (7, "invalid_type"),
+    ("root ::= " + " | ".join(f'"w{i}"' for i in range(2000)), "limit_exceeded"),
+    ("\n".join(f'r{i} ::= "a" r{i + 1}' for i in range(200)) + '\nr200 ::= "b"\nroot ::= r0', "limit_exceeded"),
+])
+def test_bad_grammars_are_400s(server: LiveServer, grammar: Any, code: str) -> None:
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "grammar": grammar}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == code
+    both = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": _ask("x"), "grammar": _YES_NO, "response_format": {"type": "json_object"}}, timeout=60)
+    assert both.status_code == 400

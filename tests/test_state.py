@@ -141,11 +141,36 @@ def _states(llm: Llama) -> dict[str, LlamaState]:
     return {"canonical": whole, "view": view, "two segments": two}
 
 
+def _llama_cpp_seq_bytes(llm: Llama, seq: np.ndarray, seq_id: int, n_tokens: int) -> np.ndarray:
+    """llama.cpp's own bytes for the first ``n_tokens`` of ``seq`` held as sequence ``seq_id``.
+
+    Loaded into a fresh context of the same model, cut back there, and read out by llama.cpp itself:
+    independent of this library's assembly. (llama.cpp writes a cell's sequence ids only below the
+    context's ``n_seq_max``: the context has ``seq_id + 1`` sequences, in one unified KV.)
+    """
+    params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
+    params.n_seq_max, params.kv_unified = seq_id + 1, True
+    ctx = llama_cpp.llama_init_from_model(llm.model, params)
+    assert ctx is not None
+    try:
+        pointer = seq.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        assert llama_cpp.llama_state_seq_set_data(ctx, pointer, len(seq), seq_id) == len(seq)
+        assert llama_cpp.llama_memory_seq_rm(llama_cpp.llama_get_memory(ctx), seq_id, n_tokens, -1)
+        size = llama_cpp.llama_state_seq_get_size(ctx, seq_id)
+        out = np.empty(size, dtype=np.uint8)
+        written = llama_cpp.llama_state_seq_get_data(ctx, out.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size,
+                                                     seq_id)
+        assert 0 < written <= size
+        return out[:written]
+    finally:
+        llama_cpp.llama_free(ctx)
+
+
 @pytest.mark.parametrize("kind", ["canonical", "view", "two segments"])
 @pytest.mark.parametrize("seq_id", [0, 3])
 def test_restore_bytes_are_the_assembled_bytes(llm: Llama, kind: str, seq_id: int) -> None:
     state = _states(llm)[kind]
-    expected = serialize_segments(state.layout, list(state.segments), seq_id)  # type: ignore[arg-type]
+    expected = _llama_cpp_seq_bytes(llm, llm._read_seq_bytes(), seq_id, state.n_tokens)
     assert np.array_equal(state.seq_bytes(seq_id), expected)
     assert state.needs_assembly(seq_id) == (kind != "canonical" or seq_id != 0)
     for _ in range(2):  # the second time in a reused buffer

@@ -520,3 +520,14 @@ def test_a_plain_llama_cpp_llama_uses_the_tiered_cache(tmp_path: Path) -> None:
     ram, disk = fresh.stats().tiers
     assert fresh.stats().hits == 1 and (ram.hits, disk.hits) == (0, 1) and ram.entries >= 1
     fresh.close()
+
+
+def test_write_through_stores_in_every_tier_before_returning() -> None:
+    fast, slow = LlamaRAMCache(capacity_bytes=10**8), LlamaRAMCache(capacity_bytes=10**8)
+    tiered = TieredCache([fast, slow], write_through=True)
+    try:
+        key = [1, 2, 3, 4]
+        tiered[key] = make_cut_state(key)
+        assert len(slow) == 1 and slow.match_length(key) == len(key)  # there already: no flush
+    finally:
+        tiered.close()

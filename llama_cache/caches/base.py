@@ -50,6 +50,8 @@ class CacheStats:
         lookup_errors: lookups a tier failed with an error, answered as misses (a tiered cache's).
         dropped: states a tiered cache's background writer dropped from its full queue, never
             reaching the slower tiers.
+        index_resets: damaged indexes a persistent tier moved aside and started again empty (the disk
+            tier's; logged at WARNING).
         tiers: a tiered cache's tiers' own statistics, fastest first (empty for a single cache).
     """
 
@@ -65,6 +67,7 @@ class CacheStats:
     round_trips: int = 0
     lookup_errors: int = 0
     dropped: int = 0
+    index_resets: int = 0
     tiers: tuple[CacheStats, ...] = ()
 
 

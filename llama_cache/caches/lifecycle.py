@@ -11,7 +11,7 @@ front last (locks are released in the reverse order of their taking).
 A registered cache implements ``flush()``, ``_before_fork()``, ``_after_fork_in_parent()`` and
 ``_reset_after_fork()``; the registry holds it weakly, so registering keeps nothing alive.
 
-Thread-safety: :func:`register` may be called from any thread.
+Thread-safety: :func:`register` and every :class:`Registry` method may be called from any thread.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import threading
 import weakref
 from typing import Any, Protocol
 
-__all__ = ["BACK", "FRONT", "HeldAcrossFork", "ProcessBound", "register"]
+__all__ = ["BACK", "FRONT", "PROCESS", "HeldAcrossFork", "ProcessBound", "Registry", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,55 +70,77 @@ class HeldAcrossFork:
             self._lock.release()
 
 
-_STAGES: tuple[weakref.WeakSet[ProcessBound], ...] = (weakref.WeakSet(), weakref.WeakSet())
-_LOCK = threading.Lock()
+class Registry:
+    """Caches by stage, held weakly; the hooks below run them in pipeline order.
+
+    The process has one, :data:`PROCESS`, wired to ``atexit`` and ``os.register_at_fork``; another
+    instance runs the same hooks on its own caches only (what the tests use, leaving the process's
+    caches alone).
+
+    Thread-safety: every method may be called from any thread.
+    """
+
+    def __init__(self) -> None:
+        self._stages: tuple[weakref.WeakSet[ProcessBound], ...] = (weakref.WeakSet(), weakref.WeakSet())
+        self._lock = threading.Lock()
+
+    def register(self, cache: ProcessBound, *, stage: int) -> None:
+        """Flush ``cache`` at exit and take it through forks, after the caches of earlier stages.
+
+        Raises:
+            ValueError: ``stage`` is neither :data:`FRONT` nor :data:`BACK`.
+        """
+        if stage not in (FRONT, BACK):
+            raise ValueError(f"stage must be FRONT or BACK, got {stage!r}")
+        with self._lock:
+            self._stages[stage].add(cache)
+
+    def _in_order(self, reverse: bool = False) -> list[ProcessBound]:
+        with self._lock:
+            stages = [list(stage) for stage in self._stages]
+        if reverse:
+            stages.reverse()
+        return [cache for stage in stages for cache in stage]
+
+    def flush_all(self) -> None:
+        """Flush every cache, front first; a failure is logged and the others are still flushed."""
+        for cache in self._in_order():
+            try:
+                cache.flush()
+            except Exception:  # noqa: BLE001 - at exit, one cache's failure must not stop the others
+                logger.exception("flushing %r at exit failed", cache)
+
+    def before_fork(self) -> None:
+        """Drain and hold every cache, front first."""
+        for cache in self._in_order():
+            cache._before_fork()
+
+    def after_fork_in_parent(self) -> None:
+        """Let every cache go, back first."""
+        for cache in self._in_order(reverse=True):
+            cache._after_fork_in_parent()
+
+    def after_fork_in_child(self) -> None:
+        """Give every cache a fresh start, back first."""
+        self._lock = threading.Lock()  # another thread may have held it when the process forked
+        for cache in self._in_order(reverse=True):
+            cache._reset_after_fork()
+
+
+PROCESS = Registry()
+"""The registry whose caches are flushed at this process's exit and taken through its forks."""
 
 
 def register(cache: ProcessBound, *, stage: int) -> None:
-    """Flush ``cache`` at exit and take it through forks, after the caches of earlier stages.
+    """Register ``cache`` with :data:`PROCESS` (see :meth:`Registry.register`).
 
     Raises:
         ValueError: ``stage`` is neither :data:`FRONT` nor :data:`BACK`.
     """
-    if stage not in (FRONT, BACK):
-        raise ValueError(f"stage must be FRONT or BACK, got {stage!r}")
-    with _LOCK:
-        _STAGES[stage].add(cache)
+    PROCESS.register(cache, stage=stage)
 
 
-def _in_order(reverse: bool = False) -> list[ProcessBound]:
-    with _LOCK:
-        stages = [list(stage) for stage in _STAGES]
-    if reverse:
-        stages.reverse()
-    return [cache for stage in stages for cache in stage]
-
-
-def _flush_all() -> None:
-    for cache in _in_order():
-        try:
-            cache.flush()
-        except Exception:  # noqa: BLE001 - at exit, one cache's failure must not stop the others
-            logger.exception("flushing %r at exit failed", cache)
-
-
-def _before_fork() -> None:
-    for cache in _in_order():
-        cache._before_fork()
-
-
-def _after_fork_in_parent() -> None:
-    for cache in _in_order(reverse=True):
-        cache._after_fork_in_parent()
-
-
-def _after_fork_in_child() -> None:
-    global _LOCK
-    _LOCK = threading.Lock()  # another thread may have held it when the process forked
-    for cache in _in_order(reverse=True):
-        cache._reset_after_fork()
-
-
-atexit.register(_flush_all)
+atexit.register(PROCESS.flush_all)
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
+    os.register_at_fork(before=PROCESS.before_fork, after_in_parent=PROCESS.after_fork_in_parent,
+                        after_in_child=PROCESS.after_fork_in_child)

@@ -16,7 +16,7 @@ loading) are tried last, fastest first; each counts its own miss.
 tiers ``1..j-1`` through the background writer; never again in tier ``j`` nor in slower tiers.
 
 **Stores.** ``cache[key] = state`` stores in tier 0 in the caller's thread and queues the state for the
-slower tiers, written in order by one background thread per cache (``llama-cache-tier-writer``,
+slower tiers (or, with ``write_through``, stores it in every tier before returning), written in order by one background thread per cache (``llama-cache-tier-writer``,
 started on demand, gone after five idle seconds). The queue holds ``max_pending`` states; a store
 finding it full drops the *oldest* queued one (``stats().dropped``): in a conversation the newest state
 holds the earlier ones' tokens, so it is the one worth keeping, and the caller never waits for a slow
@@ -93,13 +93,18 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         tiers: the caches, fastest first: distinct :class:`~llama_cache.caches.base.BaseLlamaCache`
             instances (prompt caches, not checkpoint caches).
         max_pending: states queued for the slower tiers before the oldest is dropped (default 64).
+        write_through: a store reaches every tier before it returns, in the caller's thread, instead
+            of the slower tiers through the background writer: the caller waits for the slowest tier,
+            and whoever looks the key up next, in this process or another sharing a tier, finds it
+            (how ``llama-cache serve`` stores in a Redis tier shared by several instances: the
+            conversation's next request may land on another one at once). Promotions stay behind.
 
     Raises:
         TypeError: ``tiers`` is not a sequence of prompt caches, or ``max_pending`` is not an int.
         ValueError: no tier, a tier given twice, or ``max_pending < 1``.
     """
 
-    def __init__(self, tiers: Sequence[BaseLlamaCache], *, max_pending: int = 64) -> None:
+    def __init__(self, tiers: Sequence[BaseLlamaCache], *, max_pending: int = 64, write_through: bool = False) -> None:
         if not isinstance(tiers, Sequence) or isinstance(tiers, (str, bytes)):
             raise TypeError(f"tiers must be a sequence of caches, got {type(tiers).__name__}")
         for tier in tiers:
@@ -116,6 +121,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         super().__init__(sum(tier.capacity_bytes for tier in tiers))
         self.tiers: tuple[BaseLlamaCache, ...] = tuple(tiers)
         self.max_pending = max_pending
+        self.write_through = bool(write_through)
         # Counters, under `_lock`.
         self._hits = self._misses = self._store_errors = self._lookup_errors = 0
         self._logged: set[tuple[int, str, str]] = set()  # failure kinds already logged at WARNING
@@ -218,8 +224,8 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     # ------------------------------------------------------------------------------------- stores
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
-        """Store ``value`` in the fastest tier now and queue it for the others. Never raises for the
-        value or a failing tier (counted and logged).
+        """Store ``value`` in the fastest tier now and queue it for the others (every tier now with
+        ``write_through``). Never raises for the value or a failing tier (counted and logged).
 
         Raises:
             TypeError, ValueError: ``key`` is not a sequence of token ids.
@@ -227,7 +233,11 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         tokens = readonly(np.array(as_token_array(key), dtype=np.int32))  # the queue keeps its own copy
         self._store_in(0, tokens, value)
         if len(self.tiers) > 1:
-            self._enqueue(tokens, value, 1, len(self.tiers))
+            if self.write_through:
+                for index in range(1, len(self.tiers)):
+                    self._store_in(index, tokens, value)
+            else:
+                self._enqueue(tokens, value, 1, len(self.tiers))
 
     def _store_in(self, index: int, key: TokenArray, value: Any) -> None:
         self._guard(index, "store", self.tiers[index].__setitem__, None, key, value)

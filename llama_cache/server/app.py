@@ -75,7 +75,13 @@ from llama_cache.server.contexts import (
     prompt_tokens_for_chat,
 )
 from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, run_job
-from llama_cache.server.responses import ANY_FUNCTION, structured_chunks, structured_completion
+from llama_cache.server.responses import (
+    ANY_FUNCTION,
+    cut_short_chunks,
+    cut_short_completion,
+    structured_chunks,
+    structured_completion,
+)
 from llama_cache.server.choices import ChoiceRun
 from llama_cache.server.sequences import LogitBias, Penalties, SequenceSampling, TokenLogprobs
 
@@ -213,8 +219,9 @@ class _Server:
 
     # -- completions ------------------------------------------------------------------------------
 
-    def _parse(self, endpoint: str, raw: bytes, job: Job) -> tuple[CompletionRequest | ChatRequest, list[int]]:
-        """The validated request and its prompt's tokens. Runs in a thread, beside running completions.
+    def _parse(self, endpoint: str, raw: bytes, job: Job) -> tuple[CompletionRequest | ChatRequest, list[int], int]:
+        """The validated request, its prompt's tokens and how many of them the prompt cache would restore.
+        Runs in a thread, beside running completions.
 
         Everything a request may cost is checked before the work it bounds (:mod:`.limits`): the body's
         values, then the fields, the schemas and the text's size, then the template is rendered and the
@@ -256,7 +263,16 @@ class _Server:
             param = "messages"
         if len(tokens) >= engine.n_ctx:
             raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
-        return parsed, tokens
+        return parsed, tokens, self._cached_length(tokens)
+
+    def _cached_length(self, tokens: list[int]) -> int:
+        """How many leading tokens of a prompt the prompt cache would restore, asked of every tier (O(K)
+        in RAM and on disk, a few round trips in Redis; nothing loaded). A failing cache holds nothing."""
+        try:
+            return int(self.engine.cache.match_length(tokens))
+        except Exception as error:  # noqa: BLE001 - routing only
+            logger.debug("prompt cache match_length failed: %s: %s", type(error).__name__, error)
+            return 0
 
     def _constraints(self, structured: StructuredOutput, n: int) -> list[SequenceConstraint]:
         """One compiled constraint per choice of a request for structured output. Runs in a thread,
@@ -265,8 +281,11 @@ class _Server:
         Raises:
             ApiError: 400 naming the field whose schema is refused.
         """
+        compiler = self.engine.constraints
         try:
-            return [self.engine.constraints.compile(structured.schema) for _ in range(n)]
+            if structured.gbnf is not None:
+                return [compiler.compile_gbnf(structured.gbnf) for _ in range(n)]
+            return [compiler.compile(structured.schema) for _ in range(n)]
         except ConstraintError as error:
             raise ApiError(400, f"'{structured.param}': {error}", param=structured.param, code=error.code) from None
 
@@ -298,7 +317,7 @@ class _Server:
         def seed(sequence: SequenceSampling) -> dict[str, Any]:
             return {} if sequence.seed is None else {"seed": sequence.seed}
 
-        structured = parsed.structured if isinstance(parsed, ChatRequest) else None
+        structured = parsed.structured
         if isinstance(parsed, CompletionRequest):
             # The tokens routed on are the tokens evaluated: the string is not tokenized twice.
             def start(llama: SlotLlama, sequence: SequenceSampling) -> Any:
@@ -313,12 +332,16 @@ class _Server:
                     **parsed.template_options, **options, **seed(sequence), **processors(sequence))
 
         run = ChoiceRun(llama=None, samplings=samplings, start=start, chat=isinstance(parsed, ChatRequest),
-                        fingerprint=self.engine.system_fingerprint, cancelled=job.cancel.is_set)
-        if structured is not None:
-            function = ANY_FUNCTION if structured.any_function else structured.function
+                        fingerprint=self.engine.system_fingerprint, cancelled=job.cancel.is_set,
+                        saved_before_last_chunk=getattr(self.engine.cache, "write_through", False))
+        def cut_short(sequence: SequenceSampling) -> bool:
+            return sequence.constraint is not None and sequence.constraint.error is not None
 
-            def cut_short(sequence: SequenceSampling) -> bool:
-                return sequence.constraint is not None and sequence.constraint.error is not None
+        if isinstance(parsed, CompletionRequest) and structured is not None:
+            run.shape = lambda result, sequence: cut_short_completion(result, cut_short(sequence))
+            run.shape_chunks = lambda chunks, sequence: cut_short_chunks(chunks, lambda: cut_short(sequence))
+        elif structured is not None:
+            function = ANY_FUNCTION if structured.any_function else structured.function
 
             run.shape = lambda result, sequence: structured_completion(
                 result, function=function, legacy=structured.legacy, cut_short=cut_short(sequence))
@@ -345,16 +368,16 @@ class _Server:
         handed_over = False
         try:
             try:
-                parsed, tokens = await asyncio.to_thread(self._parse, endpoint, raw, job)
+                parsed, tokens, cached = await asyncio.to_thread(self._parse, endpoint, raw, job)
                 constraints = None
-                if isinstance(parsed, ChatRequest) and parsed.structured is not None:
+                if parsed.structured is not None:
                     constraints = await asyncio.to_thread(self._constraints, parsed.structured, parsed.sampling.n)
             except ApiError as error:
                 return self._answer(endpoint, _error_response(error))
             except RenderingCancelled:
                 return self._answer(endpoint, Response(status_code=CLIENT_CLOSED))
             del raw  # the body's bytes are not kept while the request waits and runs
-            slot = await self._acquire(endpoint, tokens, watcher)
+            slot = await self._acquire(endpoint, tokens, cached, watcher)
             if slot is None:
                 self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
                 return Response(status_code=CLIENT_CLOSED)
@@ -412,13 +435,13 @@ class _Server:
             if not handed_over:
                 watcher.close()
 
-    async def _acquire(self, endpoint: str, tokens: list[int], watcher: Disconnect) -> Slot | None:
+    async def _acquire(self, endpoint: str, tokens: list[int], cached: int, watcher: Disconnect) -> Slot | None:
         """A slot, or None when the client left while queued.
 
         Raises:
             _Refused: the queue is full (carries the 503 response with ``Retry-After``).
         """
-        acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens))
+        acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens, cached))
         gone = asyncio.ensure_future(watcher.gone.wait())
         cut = asyncio.ensure_future(self.cut.wait())
         try:

@@ -73,6 +73,9 @@ class ChoiceRun:
         cancelled: asked before each choice: a cancelled request starts no more.
         shape: turns a choice's completion into the answer's shape (structured outputs); None: as is.
         shape_chunks: the same for a choice's chunk stream.
+        saved_before_last_chunk: a stream's last chunk waits until the completion's state is saved
+            into the prompt cache (llama-cpp-python saves it after the chunk): with a write-through
+            cache, the state is then in the shared tier before the client can send its next turn.
     """
 
     llama: Any
@@ -83,6 +86,7 @@ class ChoiceRun:
     cancelled: Callable[[], bool] = lambda: False
     shape: Callable[[dict[str, Any], SequenceSampling], dict[str, Any]] | None = None
     shape_chunks: Callable[[Iterator[dict[str, Any]], SequenceSampling], Iterator[dict[str, Any]]] | None = None
+    saved_before_last_chunk: bool = False
     usage: Usage = field(default_factory=Usage)
     _pieces: dict[int, bytes] = field(default_factory=dict)
 
@@ -117,6 +121,7 @@ class ChoiceRun:
     def stream(self, include_usage: bool) -> Iterator[Any]:
         """All the choices' chunks, choice after choice, each with its ``index``; then :data:`ANSWERED`."""
         last: dict[str, Any] | None = None
+        ending: dict[str, Any] | None = None  # the client's last chunk
         count = len(self.samplings)
         for index, sampling in enumerate(self.samplings):
             if index and self.cancelled():
@@ -145,13 +150,21 @@ class ChoiceRun:
                     finished = True
                     self._count(sampling)
                     if index == count - 1 or self.cancelled():
-                        yield last
-                        if include_usage:
-                            yield {**{k: v for k, v in last.items() if k != "choices"}, "choices": [],
-                                   "usage": self.usage.body()}
-                        yield ANSWERED
+                        ending = last
+                        if not self.saved_before_last_chunk:
+                            yield from self._ending(ending, include_usage)
                         continue
                 yield last
+            if ending is not None:
+                if self.saved_before_last_chunk:  # the generator has saved the state by now
+                    yield from self._ending(ending, include_usage)
+                return
+
+    def _ending(self, last: dict[str, Any], include_usage: bool) -> Iterator[Any]:
+        yield last
+        if include_usage:
+            yield {**{k: v for k, v in last.items() if k != "choices"}, "choices": [], "usage": self.usage.body()}
+        yield ANSWERED
 
     # -- one choice ------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ import argparse
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -37,22 +37,27 @@ _ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+")
 N_BATCH = 512
 
 
-def physical_cores() -> int:
+def physical_cores(cpus: Collection[int] | None = None, topology: Path = Path("/sys/devices/system/cpu")) -> int:
     """The thread count llama.cpp's tools (``llama-server``) default to: one per physical core.
 
-    Counts distinct sets of hyperthread siblings (llama.cpp's ``cpu_get_num_physical_cores``), at
-    most the CPUs this process may run on (llama.cpp does not look at the affinity mask: in a container
-    limited to 2 CPUs of a 64-core host it would start 32 threads).
+    Counts the distinct sets of hyperthread siblings (as llama.cpp's ``cpu_get_num_physical_cores``)
+    among the CPUs this process may run on only: llama.cpp looks at every CPU of the host, so in a
+    container limited to 2 CPUs of a 64-core host it would start 32 threads; and two siblings of one
+    core are one core. Without a readable topology, every CPU counts.
+
+    Args:
+        cpus: the CPU numbers to count (default: this process's affinity mask, else every CPU).
+        topology: sysfs's CPU folder (holding ``cpu<N>/topology/thread_siblings``).
     """
+    if cpus is None:
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
     siblings: set[str] = set()
-    topology = Path("/sys/devices/system/cpu")
-    for path in topology.glob("cpu[0-9]*/topology/thread_siblings"):
+    for cpu in cpus:
         try:
-            siblings.add(path.read_text().strip())
+            siblings.add(topology.joinpath(f"cpu{cpu}", "topology", "thread_siblings").read_text().strip())
         except OSError:
-            continue
-    available = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(len(siblings) or available, available))
+            return max(1, len(cpus))
+    return max(1, len(siblings))
 
 
 def on_off(text: str) -> bool:

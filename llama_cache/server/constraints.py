@@ -38,6 +38,7 @@ from typing import Any
 
 import llama_cpp
 import llguidance
+from llguidance.gbnf_to_lark import gbnf_to_lark
 import llguidance.llamacpp
 import numpy as np
 import numpy.typing as npt
@@ -151,6 +152,26 @@ class ConstraintCompiler:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
         except (TypeError, ValueError, RecursionError) as error:
             raise ConstraintError(f"the schema could not be read: {error}") from None
+        return self._constraint(grammar)
+
+    def compile_gbnf(self, gbnf: str) -> SequenceConstraint:
+        """A fresh constraint making one sequence's generated text follow a GBNF grammar (llama.cpp's format,
+        whose rule ``root`` is the start), as llama-cpp-python's ``grammar`` field takes it.
+
+        The grammar is converted to llguidance's Lark format, then compiled as :meth:`compile` does.
+        The conversion's cost grows with the text's length and the square of its rules (400 rules
+        take 0.6 s): the caller bounds both (:attr:`.RequestLimits.max_grammar_bytes`, ``max_grammar_rules``).
+
+        Raises:
+            ConstraintError: the grammar is invalid, unsupported, or past a limit.
+        """
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(gbnf))
+        except Exception as error:  # noqa: BLE001 - the converter raises plain Exception (and RecursionError)
+            raise ConstraintError(f"the grammar could not be read: {error}") from None
+        return self._constraint(grammar)
+
+    def _constraint(self, grammar: str) -> SequenceConstraint:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
         if not matcher.is_error():
             constraint = SequenceConstraint(matcher, self._tokenizer.vocab_size, self.n_vocab, self.end_tokens)

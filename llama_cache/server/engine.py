@@ -92,7 +92,11 @@ def load_engine(config: ServerConfig) -> Engine:
     if config.redis_url is not None:
         tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
         logger.info("prompt cache: sharing states through Redis at %s", redact_url(config.redis_url))
-    cache = tiers[0][1] if len(tiers) == 1 else TieredCache([tier for _, tier in tiers])
+    # With a Redis tier, other instances serve the same conversations: the state ending a completion is
+    # stored there before its last chunk goes out (write-through), so the next turn finds it wherever
+    # it lands.
+    cache = tiers[0][1] if len(tiers) == 1 else TieredCache(
+        [tier for _, tier in tiers], write_through=config.redis_url is not None)
     options = config.context_options()
     compute = ComputeThread()
     tokenized = TokenizationMemo(max_tokens=config.n_ctx)

@@ -60,6 +60,8 @@ class RequestLimits:
         max_schema_depth: a JSON schema's nesting levels, counted in subschemas (an object's property
             is one level below the object).
         max_enum_values: values of every ``enum`` and ``const`` of one schema together.
+        max_grammar_bytes, max_grammar_rules: a GBNF ``grammar``'s size in UTF-8 bytes and its rules
+            (``::=``): converting it costs time in the square of its rules.
         max_repetition: the largest repetition bound of a schema (``maxLength``, ``minItems``, ...,
             ``{n,m}`` in a ``pattern``). The structured-output engine compiles bounds up to this in
             about a millisecond (its own fuel limits bound the rest); a larger one is refused unread.
@@ -73,6 +75,8 @@ class RequestLimits:
     max_schema_depth: int = 32
     max_enum_values: int = 4096
     max_repetition: int = 100_000
+    max_grammar_bytes: int = 8 << 10
+    max_grammar_rules: int = 128
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

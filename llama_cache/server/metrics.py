@@ -65,6 +65,9 @@ class _LiveCollector(Collector):
                                           labels=["tier"]),
             "evictions": CounterMetricFamily(f"{PREFIX}_cache_evictions",
                                              "States evicted from the prompt cache", labels=["tier"]),
+            "index_resets": CounterMetricFamily(f"{PREFIX}_cache_index_resets",
+                                                "Damaged indexes moved aside, the tier starting empty",
+                                                labels=["tier"]),
         }
         for tier, cache in self._caches():
             try:

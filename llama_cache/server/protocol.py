@@ -80,6 +80,7 @@ class CompletionRequest:
     model: str | None
     options: dict[str, Any] = field(default_factory=dict)
     sampling: Sampling = field(default_factory=Sampling)
+    structured: StructuredOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,8 @@ class StructuredOutput:
     ``{"name": ..., "arguments": {...}}`` for one of the declared functions (``schema`` is their
     ``anyOf``), which the answer turns into that call; ``legacy`` is true when it was asked for through
     ``functions`` / ``function_call`` (the answer is then a ``function_call``, not ``tool_calls``);
-    ``param`` is the request field the schema came from, which an error about the schema names.
+    ``param`` is the request field the schema came from, which an error about the schema names;
+    ``gbnf`` is a GBNF grammar (llama-cpp-python's ``grammar`` field) the text follows instead of a schema.
     """
 
     schema: dict[str, Any]
@@ -100,6 +102,7 @@ class StructuredOutput:
     function: str | None = None
     legacy: bool = False
     any_function: bool = False
+    gbnf: str | None = None
 
 
 @dataclass
@@ -327,7 +330,7 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int,
     if best_of is not None and best_of != 1 and best_of != sampling.n:
         raise _value_error("best_of", "must be 1 or equal to 'n' (every choice generated is returned)")
     return CompletionRequest(prompt=prompt, stream=stream, max_tokens=max_tokens, model=model, options=options,
-                             sampling=sampling)
+                             sampling=sampling, structured=_grammar(body.get("grammar"), limits))
 
 
 def context_length_error(param: str, size: str, n_ctx: int) -> ApiError:
@@ -405,14 +408,29 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int, n_vocab: int, limits: R
     if logprobs:
         sampling = replace(sampling, logprobs=int(top_logprobs or 0))
     template_options, structured = _tools(body, limits)
-    response_format = _response_format(body.get("response_format"), limits)
-    if response_format is not None:
-        if structured is not None:
-            raise _value_error("response_format", "cannot ask for a format while a function must be called "
-                               "(its arguments are JSON already)")
-        structured = response_format
+    for other in (_response_format(body.get("response_format"), limits), _grammar(body.get("grammar"), limits)):
+        if other is not None:
+            if structured is not None:
+                raise _value_error(other.param.split(".")[0], "cannot be combined with another structured output "
+                                   "(a response_format, a grammar, or a tool_choice that forces a call)")
+            structured = other
     return ChatRequest(messages=messages, stream=stream, max_tokens=max_tokens, model=model, options=options,
                        template_options=template_options, structured=structured, sampling=sampling)
+
+
+def _grammar(value: object, limits: RequestLimits) -> StructuredOutput | None:
+    """llama-cpp-python's ``grammar`` field checked: a GBNF grammar within the limits, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _type_error("grammar", "a GBNF grammar (a string)", value)
+    size = len(value.encode("utf-8"))
+    if size > limits.max_grammar_bytes:
+        raise limit_error("grammar", f"is {size} bytes; this server accepts at most {limits.max_grammar_bytes}")
+    rules = value.count("::=")
+    if rules > limits.max_grammar_rules:
+        raise limit_error("grammar", f"holds {rules} rules; this server accepts at most {limits.max_grammar_rules}")
+    return StructuredOutput(schema={}, param="grammar", gbnf=value)
 
 
 def _response_format(value: object, limits: RequestLimits) -> StructuredOutput | None:

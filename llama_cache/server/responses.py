@@ -33,7 +33,7 @@ import secrets
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["structured_chunks", "structured_completion"]
+__all__ = ["ANY_FUNCTION", "cut_short_chunks", "cut_short_completion", "structured_chunks", "structured_completion"]
 
 ANY_FUNCTION = "*"
 """``function`` for an answer that calls whichever declared function its text names (``"required"``)."""
@@ -152,3 +152,19 @@ def _held_call_chunks(chunks: Iterator[dict[str, Any]], cut_short: Callable[[], 
         call = {"index": 0, "id": _call_id(), "type": "function", "function": named}
         yield {**chunk, "choices": [{**choice, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
         yield {**chunk, "choices": [{**choice, "delta": {}, "finish_reason": "tool_calls"}]}
+
+
+def cut_short_completion(completion: dict[str, Any], cut_short: bool) -> dict[str, Any]:
+    """A text completion made under a grammar: ``finish_reason`` ``"length"`` if the grammar gave up mid-way."""
+    if not cut_short:
+        return completion
+    return {**completion, "choices": [{**choice, "finish_reason": "length"} for choice in completion["choices"]]}
+
+
+def cut_short_chunks(chunks: Iterator[dict[str, Any]], cut_short: Callable[[], bool]) -> Iterator[dict[str, Any]]:
+    """The same for a text completion's chunks: the finish reason is checked when it comes."""
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        if choice.get("finish_reason") is not None and cut_short():
+            chunk = {**chunk, "choices": [{**choice, "finish_reason": "length"}]}
+        yield chunk

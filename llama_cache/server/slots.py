@@ -5,7 +5,8 @@ cache. A request holds its slot from the first prompt token to the last generate
 never used by two requests at once, and requests never cancel one another.
 
 Routing: a request goes to the free slot whose live tokens it reuses most, when that beats what the
-prompt cache holds for it (asked of its fastest tier, without loading anything): all of the slot's live
+prompt cache holds for it (asked of every tier by the app, off the event loop, without loading
+anything: a state another instance stored in a shared tier counts as much as one in RAM): all of the slot's live
 tokens (the conversation goes on where it is: nothing restored), or a shared head of at least
 :data:`MIN_SHARED_TOKENS` longer than the cache's match (the slot's KV is cut back to it; llama.cpp's
 server chooses by such a shared prefix too). Otherwise the least recently used free slot takes it and
@@ -87,7 +88,7 @@ class SlotPool:
         self.max_queue = max_queue
         self._cached = cached
         self._free: list[Slot] = list(slots)
-        self._waiters: deque[tuple[npt.NDArray[np.intc], asyncio.Future[Slot]]] = deque()
+        self._waiters: deque[tuple[npt.NDArray[np.intc], int, asyncio.Future[Slot]]] = deque()
         # Busy slots whose request has its whole answer (by index), with the request waiting for each.
         self._finishing: dict[int, asyncio.Future[Slot] | None] = {}
         self._clock = itertools.count(1)
@@ -97,7 +98,7 @@ class SlotPool:
     @property
     def queue_depth(self) -> int:
         """Requests waiting for a slot."""
-        waiting = [future for _, future in self._waiters] + [f for f in self._finishing.values() if f is not None]
+        waiting = [future for _, _, future in self._waiters] + [f for f in self._finishing.values() if f is not None]
         return sum(1 for future in waiting if not future.done())
 
     @property
@@ -105,8 +106,12 @@ class SlotPool:
         """Slots serving a request."""
         return len(self.slots) - len(self._free)
 
-    async def acquire(self, prompt: list[int]) -> Slot:
+    async def acquire(self, prompt: list[int], cached: int | None = None) -> Slot:
         """A slot for a request with this prompt, waiting in FIFO order if none is free.
+
+        ``cached`` is how many leading tokens of the prompt the prompt cache would restore, when the
+        caller asked it already (every tier's match, asked off the event loop); None: the pool asks
+        its ``cached`` callable.
 
         A prompt that reuses more live tokens of a slot whose request is answered but not yet released
         (see :meth:`answered`) than of any free slot, and more than the cache holds, waits for that
@@ -117,7 +122,8 @@ class SlotPool:
             QueueFull: every slot is busy and ``max_queue`` requests already wait.
         """
         tokens = np.asarray(prompt, dtype=np.intc)
-        cached = self._cached_length(tokens)
+        if cached is None:
+            cached = self._cached_length(tokens)
         finishing = self._finishing_worth_waiting_for(tokens, cached)
         if finishing is not None:
             return await self._wait_for_finishing(finishing)
@@ -126,7 +132,7 @@ class SlotPool:
         if len(self._waiters) >= self.max_queue:
             raise QueueFull()
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        entry = (tokens, future)
+        entry = (tokens, cached, future)
         self._waiters.append(entry)
         try:
             return await future
@@ -162,9 +168,9 @@ class SlotPool:
             return
         self._free.append(slot)
         while self._waiters and self._free:
-            tokens, future = self._waiters.popleft()
+            tokens, cached, future = self._waiters.popleft()
             if not future.done():
-                future.set_result(self._take(tokens, self._cached_length(tokens)))
+                future.set_result(self._take(tokens, cached))
 
     async def _wait_for_finishing(self, slot: Slot) -> Slot:
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()

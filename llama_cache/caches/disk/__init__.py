@@ -2,7 +2,7 @@
 
 Layout of ``cache_dir``::
 
-    index.sqlite3 (+ -wal, -shm)   the index (SQLite in WAL mode): entries, a change log, metadata,
+    index.sqlite3 (+ -journal)     the index (SQLite, rollback journal): entries, a change log, metadata,
                                     the models of the namespaces, chunks and links
     data/ab/ab12...ef.llst          immutable files, optionally zlib-compressed: a payload per
                                     whole-state entry (:mod:`llama_cache.state.format`), a chain
@@ -37,17 +37,26 @@ chunk a store counted on before it commits, the store plans and writes again. A 
 instant therefore leaves either the old index or the new one, both naming complete files; at worst an uncommitted file is left behind: an orphan, which the next
 :class:`LlamaDiskCache` opened on the directory removes once it is older than
 ``ORPHAN_GRACE_SECONDS`` (younger ones may be writes in progress), as ``check(fix=True)`` does. Without
-``fsync`` a power loss can lose recent entries or leave a committed row naming a file whose bytes
-never reached the disk; the checksum makes that a miss, never a wrong state.
+``fsync`` a power loss can lose recent entries, leave a committed row naming a file whose bytes
+never reached the disk (the checksum makes that a miss, never a wrong state) or damage the index
+(committed with ``synchronous=OFF``; it is then moved aside and started again empty).
 
 **Reads** take the best entry from an in-process :class:`~llama_cache.index.RadixIndex` (O(K) in the
-query length, no scan over entries), memory-map its file and decode it in place (no copy), verifying
-the checksum (XXH3-64) by default. The returned
-state hands llama.cpp its bytes straight from the mapping. A missing, truncated or tampered payload is
-a miss: logged at WARNING, the entry removed, the next best entry tried. Nothing is ever unpickled.
-Payload files are never modified once written, so a mapping stays valid even after its entry is
-evicted; a file truncated *in place* by something else while a state read from it is in use would
-fault the process (SIGBUS), as with any memory-mapped file.
+query length, no scan over entries), read its file into a private buffer and decode it in place (no
+further copy), verifying the checksum (XXH3-64) by default. The returned state hands llama.cpp its
+bytes straight from that buffer. A missing, truncated or tampered payload is a miss: logged at WARNING,
+the entry removed, the next best entry tried. Nothing is ever unpickled.
+
+**Nothing is memory-mapped.** Another process may truncate or rewrite any file of the directory at any
+instant, and a mapped page past the new end of its file faults the reader (SIGBUS). So payloads are
+read, not mapped (one copy: ``benchmarks/disk_io.py`` measures it), and the index is a rollback
+journal opened through SQLite's ``unix-none`` VFS, which maps no shared memory (WAL's ``-shm`` is such
+a mapping); processes exclude each other with ``flock`` on the directory instead (:mod:`.locking`,
+:mod:`.connection`). Whatever another process does to the files gives misses, a logged error or a
+reset index, never a fault. **A damaged index** (not a database, corrupt) is moved aside to
+``index.sqlite3.damaged-<unix time>`` and started again empty, at open or whenever it is found later
+(logged at WARNING, counted in ``stats().index_resets``); its payloads become orphans, swept as any.
+An index replaced or removed by another process is reopened; one switched to WAL is converted back.
 
 **The directory is untrusted input.** Whoever can write the index or the payload folder can spoil the
 cache (lookups then miss) but nothing more:
@@ -96,13 +105,19 @@ states cannot: such an entry answers only queries its whole key is a prefix of.
 
 Modules of the package (each states its own contract):
 
-- :mod:`.cache`: :class:`LlamaDiskCache` itself: namespaces, lookups, stores, eviction, the connection;
+- :mod:`.cache`: :class:`LlamaDiskCache` itself, the façade: arguments, namespaces, the mapping
+  protocol, statistics, maintenance, the fork and exit hooks;
+- :mod:`.store`: what the façade and the helpers share: the lock, the connection, the view, payload
+  reads, touches and deletes, the counters (no helper takes the façade);
+- :mod:`.writes`: the write path: encode, write new files, commit with eviction, unlink what is freed;
 - :mod:`.view`: the process's in-memory picture of the index, kept in step with the change log;
 - :mod:`.schema`: the SQLite schema and its version, creation and migration, the change-log SQL;
 - :mod:`.rows`: validation of untrusted index rows and the in-memory entry record;
 - :mod:`.chunkstore`: chunk rows, links (reference counts) and their SQL;
 - :mod:`.chunked`: writing a state as chunks and reading a chain back;
-- :mod:`.payloads`: payload files, opened and written safely, mapped or inflated;
+- :mod:`.payloads`: payload files, opened and written safely, read or inflated;
+- :mod:`.connection`: opening the index without shared memory, damage, moving a damaged index aside;
+- :mod:`.locking`: the lock of the process's threads and of the directory's processes;
 - write-behind: :mod:`llama_cache.caches.write_behind` (shared with the tiered cache), exit and fork hooks: :mod:`llama_cache.caches.lifecycle`;
 - :mod:`.checker`: ``check()``, :class:`CheckReport`, ``storage()`` and the orphan sweep.
 """

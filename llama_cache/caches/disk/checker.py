@@ -7,8 +7,9 @@ chunks no entry links (leaked) and entries linking a chunk that is not stored or
 returns a :class:`CheckReport`. With ``fix`` it deletes the bad entries, leaked chunks and malformed
 rows through the change log (so other processes follow) and unlinks orphans older than the grace
 period. :func:`_storage` counts unique and logical bytes. :func:`_reclaim_orphans`
-is the sweep a cache runs when it opens a directory. Both work through the cache's own lock, connection
-and in-memory view, and never raise for what the directory holds.
+is the sweep a cache runs when it opens a directory. They work through the cache's
+:class:`~.store.DiskStore` (its lock, connection and in-memory view), and never raise for what the
+directory holds.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_i
 from llama_cache.caches.disk.schema import _DELETE, _ROW, _transaction
 
 if TYPE_CHECKING:
-    from llama_cache.caches.disk.cache import LlamaDiskCache
+    from llama_cache.caches.disk.store import DiskStore
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -108,34 +109,33 @@ class StorageReport:
         return self.logical_bytes / self.unique_bytes if self.unique_bytes else 1.0
 
 
-def _storage(cache: LlamaDiskCache) -> StorageReport:
-    """What :meth:`LlamaDiskCache.storage` does; a function of the cache."""
-    cache._wait_for_writes()
-    with cache._lock:
-        cache._sync()
-        conn = cache._connection()
+def _storage(store: DiskStore) -> StorageReport:
+    """What :meth:`LlamaDiskCache.storage` does (after the façade's pending writes); a function of the store."""
+    with store.lock:
+        store.sync()
+        conn = store.connection()
         chunks = conn.execute("SELECT COUNT(*) FROM chunks").fetchone()[0]
         linked = conn.execute(
             "SELECT COALESCE(SUM(c.size), 0) FROM links AS l JOIN chunks AS c ON c.id = l.chunk "
             "WHERE typeof(c.size) = 'integer' AND c.size > 0"
         ).fetchone()[0]
-        entry_bytes = cache._view.bytes
-        unique = entry_bytes + cache._chunk_bytes
+        entry_bytes = store.view.bytes
+        unique = entry_bytes + store.chunk_bytes
     return StorageReport(
-        len(cache._view.entries), int(chunks) if _is_int(chunks) else 0, unique,
+        len(store.view.entries), int(chunks) if _is_int(chunks) else 0, unique,
         entry_bytes + (int(linked) if _is_int(linked) else 0),
     )
 
 
-def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -> CheckReport:
-    """What :meth:`LlamaDiskCache.check` does (see there); a function of the cache."""
+def _check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> CheckReport:
+    """What :meth:`LlamaDiskCache.check` does (see there; after the façade's pending writes); a function of
+    the store."""
     if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or math.isnan(grace_seconds):
         raise TypeError("grace_seconds must be a number")
-    cache._wait_for_writes()
     try:
-        with cache._lock:
-            conn = cache._connection()
-            cache._sync_or_log()
+        with store.lock:
+            conn = store.connection()
+            store.sync_or_log()
             raw_rows = conn.execute(f"SELECT {_ROW} FROM entries").fetchall()
             model_rows = conn.execute("SELECT rowid, fingerprint, info FROM models").fetchall()
             chunk_rows = conn.execute(f"SELECT {chunkstore._CHUNK_COLUMNS} FROM chunks").fetchall()
@@ -169,7 +169,7 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
             malformed.append(("models", rowid, str(problem)))
     # Rows are read before the directory is listed: a file committed in between is then an
     # orphan younger than the grace period, never a "missing" file of a good entry.
-    files = cache._data.list()
+    files = store.data.list()
     missing: list[tuple[int, str]] = []
     mismatched: list[tuple[int, str]] = []
     corrupt: list[tuple[int, str]] = []
@@ -181,11 +181,11 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
         elif found[0] != entry.size:
             mismatched.append((entry.id, entry.file))
         elif deep:
-            with cache._lock:
-                live = cache._view.entries.get(entry.id)
+            with store.lock:
+                live = store.view.entries.get(entry.id)
             if live is not None:
                 try:
-                    cache._load(live, None)
+                    store.load(live, None)
                 except _Unreadable:
                     corrupt.append((entry.id, entry.file))
                 except BrokenChain as problem:
@@ -205,9 +205,9 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
     # Rows evicted by another process while we looked are not problems.
     suspects = missing + mismatched + corrupt + broken
     if suspects:
-        with cache._lock:
-            cache._sync_or_log()
-            alive = {i for i, _ in suspects if i in cache._view.entries}
+        with store.lock:
+            store.sync_or_log()
+            alive = {i for i, _ in suspects if i in store.view.entries}
         missing = [m for m in missing if m[0] in alive]
         mismatched = [m for m in mismatched if m[0] in alive]
         corrupt = [m for m in corrupt if m[0] in alive]
@@ -216,24 +216,24 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
     removed_entries = removed_files = 0
     if fix:
         bad = {i for i, _ in missing + mismatched + corrupt + broken}
-        with cache._lock:
-            cache._sync_or_log()
-            victims = [cache._view.entries[i] for i in bad if i in cache._view.entries]
-            removed_entries = len(cache._delete(victims))
-            removed_entries += _delete_malformed(cache, malformed)
-            _release_leaked(cache, leaked)
+        with store.lock:
+            store.sync_or_log()
+            victims = [store.view.entries[i] for i in bad if i in store.view.entries]
+            removed_entries = len(store.delete(victims))
+            removed_entries += _delete_malformed(store, malformed)
+            _release_leaked(store, leaked)
         now = time.time()
-        with cache._lock:
-            cache._sync_or_log()
-            still_named = {entry.file for entry in cache._view.entries.values()}
+        with store.lock:
+            store.sync_or_log()
+            still_named = {entry.file for entry in store.view.entries.values()}
             try:
-                still_named |= {row[0] for row in cache._connection().execute("SELECT file FROM chunks")}
+                still_named |= {row[0] for row in store.connection().execute("SELECT file FROM chunks")}
             except sqlite3.Error:
                 still_named |= set(files)  # unknown: remove nothing
         for file in orphans:
             if file in still_named or now - files[file][1] < grace_seconds:
                 continue
-            if cache._data.unlink(file):
+            if store.data.unlink(file):
                 removed_files += 1
     return CheckReport(
         entries=len(raw_rows),
@@ -256,29 +256,29 @@ def _check(cache: LlamaDiskCache, fix: bool, deep: bool, grace_seconds: float) -
     )
 
 
-def _release_leaked(cache: LlamaDiskCache, leaked: list[bytes]) -> None:
+def _release_leaked(store: DiskStore, leaked: list[bytes]) -> None:
     """Free chunks no entry links (rechecked in the transaction), then unlink their files. Lock held."""
     if not leaked:
         return
     try:
-        conn = cache._connection()
+        conn = store.connection()
         with _transaction(conn):
             freed = chunkstore.release(conn, leaked)
     except sqlite3.Error as error:
         logger.warning("check: could not free leaked chunks: %s", error)
         return
-    cache._sync_or_log(force=True)
+    store.sync_or_log(force=True)
     for file, _ in freed:
-        cache._data.unlink(file)
+        store.data.unlink(file)
 
 
-def _delete_malformed(cache: LlamaDiskCache, malformed: list[tuple[str, Any, str]]) -> int:
+def _delete_malformed(store: DiskStore, malformed: list[tuple[str, Any, str]]) -> int:
     """Delete malformed rows (their files, not trusted, are left to the orphan sweep). Lock held."""
     if not malformed:
         return 0
     removed = 0
     try:
-        conn = cache._connection()
+        conn = store.connection()
         with _transaction(conn):
             for table, rowid, _ in malformed:
                 if table == "entries":
@@ -294,18 +294,18 @@ def _delete_malformed(cache: LlamaDiskCache, malformed: list[tuple[str, Any, str
     except sqlite3.Error as error:
         logger.warning("check: could not delete malformed rows: %s", error)
         return 0
-    cache._sync_or_log(force=True)
+    store.sync_or_log(force=True)
     return removed
 
 
-def _reclaim_orphans(cache: LlamaDiskCache, grace_seconds: float) -> None:
+def _reclaim_orphans(store: DiskStore, grace_seconds: float) -> None:
     """Remove payload files no row names and older than ``grace_seconds`` (a crash's leftovers)."""
     try:
-        files = cache._data.list()
+        files = store.data.list()
         if not files:
             return
-        with cache._lock:
-            conn = cache._connection()
+        with store.lock:
+            conn = store.connection()
             named = {row[0] for row in conn.execute("SELECT file FROM entries UNION ALL SELECT file FROM chunks")}
     except (sqlite3.Error, OSError) as error:
         logger.warning("disk cache: could not look for orphan files: %s", error)
@@ -313,7 +313,7 @@ def _reclaim_orphans(cache: LlamaDiskCache, grace_seconds: float) -> None:
     now = time.time()
     removed = 0
     for file, (size, mtime) in files.items():
-        if file not in named and now - mtime >= grace_seconds and cache._data.unlink(file):
+        if file not in named and now - mtime >= grace_seconds and store.data.unlink(file):
             removed += 1
     if removed:
         logger.info("disk cache: removed %d orphan payload files (left by interrupted writes)", removed)

@@ -5,14 +5,15 @@ A transformer state (a llama-cache ``LlamaState`` with a KV layout) is stored as
 KV (:func:`~llama_cache.state.chunks.pieces`). :func:`plan` finds which chunks the index already holds
 (one query for the full chunks' ids; for the last, partial one, a stored chunk after the same
 predecessor that extends its tokens) and :func:`write_chunks` writes only the others, each to a new
-file, before anything is committed. The commit (in :mod:`.cache`) re-checks presence under the write
+file, before anything is committed. The commit (in :mod:`.writes`) re-checks presence under the write
 lock, links the entry to its chain and frees what nothing links any more.
 
 Reading (:func:`load`) checks every link against the head: positions, predecessors, tokens, and the id
 recomputed from the chunk file's tokens, so a chain assembled from what the index says can only be
 the state of the head's tokens. A chunk that cannot be read raises :class:`BrokenChain`.
 
-Functions here take the cache (its lock, connection and data folder); none holds state.
+Functions here take the :class:`~.store.DiskStore` (its lock, connection, data folder and settings); none
+holds state.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from llama_cache.state.kv_layout import KVSegment
 from llama_cache.state.llama_state import LlamaState
 
 if TYPE_CHECKING:
-    from llama_cache.caches.disk.cache import LlamaDiskCache
+    from llama_cache.caches.disk.store import DiskStore
 
 
 def new_name() -> str:
@@ -72,16 +73,16 @@ class ChainPlan:
         return sum(chunk.size for chunk in self.written)
 
 
-def plan(cache: LlamaDiskCache, state: LlamaState, namespace: str) -> ChainPlan:
+def plan(store: DiskStore, state: LlamaState, namespace: str) -> ChainPlan:
     """Decide which of ``state``'s chunks must be written. Lock held by the caller.
 
     Raises:
         sqlite3.Error: the index is unavailable.
     """
     assert state.layout is not None
-    chunk_tokens = cache.chunk_tokens or default_chunk_tokens(state.layout)
+    chunk_tokens = store.chunk_tokens or default_chunk_tokens(state.layout)
     chain = pieces(namespace, np.asarray(state.tokens, dtype=np.int32), chunk_tokens)
-    conn = cache._connection()
+    conn = store.connection()
     have = chunkstore.present(conn, [piece.id for piece in chain])
     ids = [piece.id for piece in chain]
     todo = [piece for piece in chain if piece.id not in have]
@@ -94,7 +95,7 @@ def plan(cache: LlamaDiskCache, state: LlamaState, namespace: str) -> ChainPlan:
     return ChainPlan(chunk_tokens, ids, todo)
 
 
-def write_chunks(cache: LlamaDiskCache, state: LlamaState, namespace: str, chain: ChainPlan) -> None:
+def write_chunks(store: DiskStore, state: LlamaState, namespace: str, chain: ChainPlan) -> None:
     """Write the planned chunk files (no lock needed: new files only). On failure, remove them.
 
     Raises:
@@ -106,20 +107,20 @@ def write_chunks(cache: LlamaDiskCache, state: LlamaState, namespace: str, chain
             parts = encode_chunk(namespace, piece, state.layout, state.segments)
             raw_size = sum(part.nbytes for part in parts)
             name = new_name()
-            size = cache._data.write(name, parts, cache.compress, cache.fsync)
+            size = store.data.write(name, parts, store.compress, store.fsync)
             chain.written.append(
                 ChunkRow(piece.id, namespace, piece.prev, piece.start, piece.tokens, name, size, raw_size,
-                         "raw" if cache.compress is None else "zlib")
+                         "raw" if store.compress is None else "zlib")
             )
     except BaseException:
-        discard(cache, chain)
+        discard(store, chain)
         raise
 
 
-def discard(cache: LlamaDiskCache, chain: ChainPlan) -> None:
+def discard(store: DiskStore, chain: ChainPlan) -> None:
     """Remove the chunk files written for a store that was not committed."""
     for chunk in chain.written:
-        cache._data.unlink(chunk.file)
+        store.data.unlink(chunk.file)
     chain.written.clear()
 
 
@@ -137,19 +138,19 @@ class BrokenChain(Exception):
         self.reason = reason
 
 
-def load(cache: LlamaDiskCache, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> LlamaState:
+def load(store: DiskStore, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> LlamaState:
     """Read a chunked entry: its head, then the chunks covering its first ``upto`` tokens (all: None).
 
-    The state holds views of the memory-mapped files (no copy) and the head's logits only when it
+    The state holds views of private copies of the files and the head's logits only when it
     holds every token of the entry.
 
     Raises:
         _Unreadable: the head file is missing or damaged, or does not hold what its row says.
         BrokenChain: the links or a chunk are.
     """
-    buffer = cache._data.read(entry.file, entry.size, entry.codec, entry.raw_size)
+    buffer = store.data.read(entry.file, entry.size, entry.codec, entry.raw_size)
     try:
-        head = decode_head(buffer, verify=cache.verify)
+        head = decode_head(buffer, verify=store.verify)
     except CorruptStateError as error:
         raise _Unreadable(f"corrupt chain head: {error}") from None
     n = entry.n_state
@@ -162,15 +163,15 @@ def load(cache: LlamaDiskCache, entry: _Entry, key: npt.NDArray[np.int32] | None
     upto = n if upto is None else upto
     if not 0 < upto <= n:
         raise ValueError(f"cannot read {upto} of an entry's {n} tokens")
-    with cache._lock:
+    with store.lock:
         try:
-            rows = chunkstore.chain(cache._connection(), entry.id)
+            rows = chunkstore.chain(store.connection(), entry.id)
         except _BadRow as problem:
             raise BrokenChain(None, str(problem)) from None
-    return assemble(head, _segments(cache, head, rows, n, upto), upto)
+    return assemble(head, _segments(store, head, rows, n, upto), upto)
 
 
-def _segments(cache: LlamaDiskCache, head: Head, rows: list[ChunkRow], n: int, upto: int) -> list[KVSegment]:
+def _segments(store: DiskStore, head: Head, rows: list[ChunkRow], n: int, upto: int) -> list[KVSegment]:
     """The KV segments of the chunks covering ``upto`` tokens, each checked against the head."""
     size = head.chunk_tokens
     if len(rows) != -(-n // size):
@@ -190,10 +191,10 @@ def _segments(cache: LlamaDiskCache, head: Head, rows: list[ChunkRow], n: int, u
         ):
             raise BrokenChain(row.id, "chunk row does not continue the chain")
         try:
-            data = cache._data.read(row.file, row.size, row.codec, row.raw_size)
+            data = store.data.read(row.file, row.size, row.codec, row.raw_size)
             tokens, segment = decode_chunk(
                 data, namespace=row.namespace, ident=row.id, prev=row.prev, start=start, layout=head.layout,
-                verify=cache.verify,
+                verify=store.verify,
             )
         except _Unreadable as problem:
             raise BrokenChain(row.id, str(problem)) from None

@@ -5,9 +5,11 @@ holds an encoded state (:mod:`llama_cache.state.format`), raw or zlib-compressed
 untrusted: :class:`_DataDir` reaches it only through directory descriptors opened with ``O_NOFOLLOW``
 (no symbolic link below ``data/`` is ever followed), opens payloads with ``O_NONBLOCK`` (a FIFO never
 blocks) and reads only regular files (``fstat``); unlinks go through the same descriptors, so nothing
-outside ``data/`` is ever removed. Raw payloads are memory-mapped read-only (no copy); compressed ones
-are inflated to exactly their recorded size, never more. New payloads are created with ``O_EXCL`` and
-removed again if writing them fails. POSIX only (``dir_fd``).
+outside ``data/`` is ever removed. Raw payloads are read into a new private buffer, never memory-mapped:
+another process may truncate a file at any instant, and a mapped page past the new end of a file
+faults the reader (SIGBUS) when llama.cpp or the checksum touches it; a read only comes back short.
+Compressed payloads are inflated to exactly their recorded size, never more. New payloads are created
+with ``O_EXCL`` and removed again if writing them fails. POSIX only (``dir_fd``).
 
 A payload that cannot be read as its row says raises :class:`_Unreadable`, which callers turn into a
 miss. Thread-safe: nothing here holds state beyond the folder's path.
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import re
 import stat
@@ -26,6 +27,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 from llama_cache.state.format import encoded_size
 
@@ -37,8 +41,6 @@ _FILE_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.llst")
 _SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
 _CODECS = ("raw", "zlib")
 _DEFAULT_ZLIB_LEVEL = 6
-# Read-only shared mappings, pre-faulted where the platform can (the checksum reads every page anyway).
-_MAP_FLAGS = getattr(mmap, "MAP_SHARED", 0) | getattr(mmap, "MAP_POPULATE", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
@@ -61,10 +63,22 @@ def _write_all(fd: int, data: Any) -> None:
         view = view[written:]
 
 
-def _map_read_only(fd: int, size: int) -> mmap.mmap:
-    if hasattr(mmap, "PROT_READ"):  # POSIX
-        return mmap.mmap(fd, size, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-    return mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # pragma: no cover - Windows
+def _read_exactly(fd: int, size: int) -> npt.NDArray[np.uint8]:
+    """Read ``size`` bytes from the start of ``fd`` into a new read-only array (one copy, no zeroing).
+
+    Raises:
+        _Unreadable: the file ended first (truncated since it was opened).
+    """
+    buffer = np.empty(size, dtype=np.uint8)
+    view = memoryview(buffer)
+    done = 0
+    while done < size:
+        count = os.preadv(fd, [view[done:]], done)
+        if count == 0:
+            raise _Unreadable(f"payload shrank to {done} bytes while being read")
+        done += count
+    buffer.flags.writeable = False
+    return buffer
 
 
 def _read_all(fd: int, size: int) -> bytes:
@@ -156,7 +170,7 @@ class _DataDir:
             os.close(fd)
 
     def read(self, name: str, size: int, codec: str, raw_size: int) -> Any:
-        """Read a payload as its row describes it: mapped when raw, inflated when compressed.
+        """Read a payload as its row describes it: copied when raw, inflated when compressed.
 
         Args:
             name: the payload name.
@@ -165,7 +179,7 @@ class _DataDir:
             raw_size: the length of the encoded state (``size`` unless compressed).
 
         Returns:
-            The encoded state: a read-only :class:`mmap.mmap` for raw payloads, bytes otherwise.
+            The encoded state: a read-only array of bytes owned by the caller (never a mapping).
 
         Raises:
             _Unreadable: the file is missing (``missing``), not a regular file, of another length, or
@@ -181,9 +195,9 @@ class _DataDir:
             if found != size:
                 raise _Unreadable(f"payload is {found} bytes, the index says {size}")
             if codec == "raw":
-                return _map_read_only(fd, found)
+                return _read_exactly(fd, found)
             return _inflate(_read_all(fd, found), raw_size)
-        except (OSError, ValueError, OverflowError, MemoryError) as error:  # ValueError: mmap of an empty file
+        except (OSError, ValueError, OverflowError, MemoryError) as error:
             raise _Unreadable(f"cannot read payload: {error}") from None
         finally:
             os.close(fd)

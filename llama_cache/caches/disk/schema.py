@@ -1,7 +1,7 @@
 """The disk tier's index: its SQLite schema, its version, creation and migration, and the change log.
 
-The index (``INDEX_FILE`` in the cache directory, WAL mode) holds six tables: ``entries`` (one row per
-entry), ``changes`` (the change log every process replays, see the package docstring), ``meta`` (the
+The index (``INDEX_FILE`` in the cache directory, a rollback journal: :mod:`.connection`) holds six
+tables: ``entries`` (one row per entry), ``changes`` (the change log every process replays, see the package docstring), ``meta`` (the
 log's trim point, ``floor``), ``models`` (descriptions of the namespaces' models), ``chunks`` (one row
 per stored KV chunk) and ``links`` (which chunks each chunked entry uses, in order: a chunk's
 reference count is its number of links). This module owns

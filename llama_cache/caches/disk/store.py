@@ -1,0 +1,411 @@
+"""The disk tier's store: the directory's lock, this process's index connection and view, payload reads.
+
+:class:`DiskStore` is what :class:`~.cache.LlamaDiskCache` and its helpers (:mod:`.chunked`,
+:mod:`.checker`, :mod:`.writes`) share, so that none of them reaches into the façade: the lock (the
+process's threads and, while the index is used, the directory's other processes: :mod:`.locking`), the
+SQLite connection (opened without shared memory by :mod:`.connection`, reopened after ``fork``, when
+another process replaced or removed the index, and after moving a damaged index aside), the in-memory
+:class:`~.view._IndexView` kept in step with the change log (:meth:`DiskStore.sync`), reading and
+checking payloads against their rows (:meth:`DiskStore.load`), touches and deletes through the change
+log, the instance's counters and the storage settings (``compress``, ``fsync``, ``verify``,
+``chunk_tokens``, which the façade's attributes of the same names read and set).
+
+Thread-safety: methods marked "Lock held" need ``with store.lock``; the others take it themselves.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from llama_cache.caches.disk import chunked, chunkstore
+from llama_cache.caches.disk.connection import IndexConnection, connect, file_identity, is_damage, move_aside
+from llama_cache.caches.disk.locking import DirectoryLock
+from llama_cache.caches.disk.payloads import DATA_DIR, _DataDir, _Unreadable
+from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int
+from llama_cache.caches.disk.schema import (
+    _ROW,
+    _TOUCH,
+    INDEX_FILE,
+    CacheDirectoryError,
+    _create_schema,
+    _delete_rows,
+    _transaction,
+)
+from llama_cache.caches.disk.view import _IndexView
+from llama_cache.state.chunks import KIND_CHUNKED
+from llama_cache.state.format import KIND_UPSTREAM, CorruptStateError, decode, decode_upstream, payload_kind
+from llama_cache.state.llama_state import LlamaState
+from llama_cache.state.values import can_be_cut
+
+logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
+
+# Connections inherited across fork: kept referenced so that their finalizer never runs in the child.
+_ABANDONED: list[IndexConnection] = []
+
+
+@dataclass(slots=True)
+class Counters:
+    """One cache instance's counters (see :class:`~llama_cache.caches.base.CacheStats`). Lock held to change."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    rejected: int = 0
+    write_errors: int = 0
+    writes: int = 0
+    store_errors: int = 0
+    index_resets: int = 0
+
+
+class DiskStore:
+    """A cache directory as one process uses it (see the module docstring).
+
+    Args:
+        cache_dir: the directory (created when opened).
+        timeout: seconds to wait for another process's use of the index.
+        fsync, compress, verify, chunk_tokens: the storage settings (validated by the façade).
+    """
+
+    def __init__(
+        self, cache_dir: Path, *, timeout: float, fsync: bool, compress: int | None, verify: bool,
+        chunk_tokens: int | None,
+    ) -> None:
+        self.cache_dir = cache_dir
+        self.timeout = timeout
+        self.fsync = fsync
+        self.compress = compress
+        self.verify = verify
+        self.chunk_tokens = chunk_tokens
+        self.data_dir = cache_dir / DATA_DIR
+        self.data = _DataDir(self.data_dir)
+        self.db_path = cache_dir / INDEX_FILE
+        self.lock = DirectoryLock(cache_dir, timeout)
+        self.view = _IndexView(self.log_bad_row)
+        self.chunk_bytes = 0  # bytes of the chunk files, as of the last sync
+        self.counters = Counters()
+        # Per-process state (reset after fork): the connection and what it has replayed.
+        self._pid = os.getpid()
+        self._conn: IndexConnection | None = None
+        self._data_version = -1
+        self._bad_rows: set[tuple[str, int]] = set()  # malformed rows already logged
+
+    def close(self) -> None:
+        """Close the connection (reopened when next needed). Lock held."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pid == os.getpid():
+            conn.close()
+        self.lock.close()
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (the fork hook, before any other use): drop everything tied to the
+        parent's process, the lock included."""
+        self._forget_parent()
+        self.lock.reset_after_fork()
+
+    def _forget_parent(self) -> None:
+        """Drop the parent's connection (never touching its SQLite) and catch up at the next sync."""
+        if self._conn is not None:
+            _ABANDONED.append(self._conn)  # closing it could disturb the parent's transaction
+            self._conn = None
+        self._pid = os.getpid()
+        self._data_version = -1  # the in-memory index stays valid; the next sync catches up
+
+    # ----------------------------------------------------------------------------- keeping in step
+
+    def log_bad_row(self, table: str, rowid: Any, reason: str) -> None:
+        """Log a malformed row once per (table, row)."""
+        marker = (table, rowid if _is_int(rowid) else -1)
+        if marker not in self._bad_rows:
+            self._bad_rows.add(marker)
+            logger.warning("disk cache: ignoring malformed %s row #%s in %s: %s", table, rowid, self.db_path, reason)
+
+    def sync_or_log(self, force: bool = False) -> None:
+        """:meth:`sync`, logging an unavailable index instead of raising (the last view stays). Lock held."""
+        try:
+            self.sync(force)
+        except sqlite3.Error as error:
+            logger.warning("disk cache: index unavailable (%s)", error)
+
+    def sync(self, force: bool = False) -> None:
+        """Apply the changes other connections committed since the last sync. Lock held.
+
+        Cheap when nothing changed: one ``PRAGMA data_version``.
+        """
+        conn = self.connection()
+        version = conn.execute("PRAGMA data_version").fetchone()[0]
+        if version == self._data_version and not force:
+            return
+        self._data_version = version
+        if conn.in_transaction:
+            self.view.replay(conn)
+            self.chunk_bytes = chunkstore.stored_bytes(conn)
+            return
+        conn.execute("BEGIN")
+        try:
+            self.view.replay(conn)
+            self.chunk_bytes = chunkstore.stored_bytes(conn)
+        finally:
+            conn.execute("COMMIT")
+
+    # ------------------------------------------------------------------------------- connection
+
+    def connection(self) -> IndexConnection:
+        """This process's connection, (re)opened as needed, with the directory's lock held. Lock held.
+
+        At the start of a locked section the index is reopened if another process replaced or removed
+        its file, and moved aside and started again if this connection found it damaged.
+
+        Raises:
+            sqlite3.Error: the directory cannot be locked or the index cannot be opened (for callers,
+                an unavailable index like any other).
+        """
+        if self._pid != os.getpid():
+            self._forget_parent()
+        fresh = self.lock.hold_directory()
+        conn = self._conn
+        if conn is not None and fresh and (
+            conn.damaged is not None or conn.stale or file_identity(self.db_path) != conn.identity
+        ):
+            self._conn = None
+            conn.close()
+            if conn.damaged is not None and file_identity(self.db_path) == conn.identity:
+                try:
+                    self._set_aside(conn.damaged)
+                except CacheDirectoryError as error:
+                    raise sqlite3.OperationalError(str(error)) from None
+            else:
+                logger.info("disk cache: %s was replaced or removed by another process; reopening it", self.db_path)
+        if self._conn is None:
+            try:
+                self.open()
+            except CacheDirectoryError as error:
+                raise sqlite3.OperationalError(str(error)) from None
+        assert self._conn is not None
+        return self._conn
+
+    def open(self) -> None:
+        """Open (creating if needed) the directory and its index; a damaged index is moved aside. Lock held.
+
+        Raises:
+            CacheDirectoryError: the directory or its index cannot be used.
+        """
+        try:
+            os.makedirs(self.data_dir, exist_ok=True)
+            if not self.cache_dir.is_dir():
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        except OSError as error:
+            raise CacheDirectoryError(
+                error.errno, f"cannot use {str(self.cache_dir)!r} as a disk cache directory: {error.strerror or error}"
+            ) from None
+        try:
+            self.lock.hold_directory()
+        except sqlite3.Error as error:
+            raise CacheDirectoryError(str(error)) from None
+        for attempt in range(2):
+            try:
+                conn = connect(self.db_path, self.timeout, self.fsync)
+            except sqlite3.Error as error:
+                if attempt or not is_damage(error):
+                    message = f"cannot open the disk cache index {str(self.db_path)!r}: {error}"
+                    raise CacheDirectoryError(message) from None
+                self._set_aside(error)
+                continue
+            try:
+                self._prepare(conn)
+            except sqlite3.Error as error:
+                conn.close()
+                if attempt or not is_damage(error):
+                    message = f"cannot use the disk cache index {str(self.db_path)!r}: {error}"
+                    raise CacheDirectoryError(message) from None
+                self._set_aside(error)
+                continue
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+            return
+
+    def _set_aside(self, damage: sqlite3.Error) -> None:
+        """Move a damaged index aside and count it; the next open starts an empty one. Lock held.
+
+        Raises:
+            CacheDirectoryError: it cannot be moved.
+        """
+        try:
+            aside = move_aside(self.db_path)
+        except OSError as error:
+            raise CacheDirectoryError(
+                error.errno, f"cannot move the damaged disk cache index {str(self.db_path)!r} aside: {error.strerror}"
+            ) from None
+        self._data_version = -1
+        if aside is None:
+            return  # another process moved it first
+        self.counters.index_resets += 1
+        logger.warning(
+            "disk cache: the index %s is damaged (%s); moved it aside to %s and started again empty",
+            self.db_path, damage, aside.name,
+        )
+
+    def _prepare(self, conn: IndexConnection) -> None:
+        with _transaction(conn):
+            _create_schema(conn, self.db_path)
+        conn.execute("BEGIN")
+        try:
+            self.view.rebuild(conn)
+            self.chunk_bytes = chunkstore.stored_bytes(conn)
+        finally:
+            conn.execute("COMMIT")
+        self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
+
+    # ----------------------------------------------------------------------------------- entries
+
+    def load(self, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> Any:
+        """Read, decode and check an entry's payload. No lock needed: payload files never change.
+
+        Args:
+            entry: a validated entry.
+            key: its key (None: do not compare the state's tokens with it).
+            upto: return only the state of the first ``upto`` tokens (a cuttable entry's; None: all).
+
+        Raises:
+            _Unreadable: the file is missing, not a regular file, has the wrong length, does not
+                decode, or does not hold what its row says.
+            chunked.BrokenChain: a chunked entry's links or chunks are.
+        """
+        if entry.kind == KIND_CHUNKED:
+            return chunked.load(self, entry, key, upto)
+        state = self._load_whole(entry, key)
+        if upto is not None and isinstance(state, LlamaState) and state.layout is not None:
+            return state.prefix(upto, None)
+        return state
+
+    def _load_whole(self, entry: _Entry, key: npt.NDArray[np.int32] | None) -> Any:
+        """Read an entry stored whole (a payload file)."""
+        buffer = self.data.read(entry.file, entry.size, entry.codec, entry.raw_size)
+        try:
+            kind = payload_kind(buffer)
+            if kind != entry.kind:
+                raise _Unreadable(f"payload of kind {kind}, the index says {entry.kind}")
+            if kind == KIND_UPSTREAM:
+                state, namespace = decode_upstream(buffer, verify=self.verify)
+                fingerprint = getattr(state, "fingerprint", None)
+                cut, logits = True, bool(np.any(state.scores))
+                held: npt.NDArray[Any] = state.input_ids[: state.n_tokens]
+                if fingerprint is not None and fingerprint != namespace:
+                    raise _Unreadable("payload's fingerprint differs from its namespace")
+            else:
+                state = decode(buffer, verify=self.verify)
+                namespace, cut, logits, held = state.fingerprint, can_be_cut(state), state.logits is not None, state.tokens
+        except _Unreadable:
+            raise
+        except CorruptStateError as error:
+            raise _Unreadable(f"corrupt payload: {error}") from None
+        except Exception as error:  # noqa: BLE001 - odd bytes past the checksum must stay a miss
+            raise _Unreadable(f"undecodable payload: {type(error).__name__}: {error}") from None
+        if namespace != entry.namespace:
+            raise _Unreadable("payload belongs to another model than its index entry")
+        if cut != entry.cut or logits != entry.logits or len(held) != entry.n_state:
+            raise _Unreadable("payload does not hold what its index entry says")
+        if key is not None and (len(key) != entry.n_key or not np.array_equal(held[: len(key)], key)):
+            raise _Unreadable("payload does not hold the tokens of its key")
+        return state
+
+    def forget_unreadable(self, entry: _Entry, problem: _Unreadable) -> None:
+        """Remove an entry whose payload could not be loaded, unless another process already did."""
+        with self.lock:
+            self.sync()
+            if entry.id not in self.view.entries:
+                return  # evicted or replaced meanwhile: not damage
+            logger.warning("disk cache: dropping entry %s (%s): %s", entry.id, entry.file, problem)
+            self.delete([entry])
+
+    def forget_broken_chunk(self, entry: _Entry, broken: chunked.BrokenChain) -> None:
+        """Remove a damaged chunk and every entry linking it, unless the chain changed meanwhile.
+
+        A chunk freed or absorbed by another process between reading the links and opening the file
+        is not damage: the entry's links have moved on, and the next attempt reads the new ones.
+        """
+        with self.lock:
+            try:
+                self.sync()
+                if entry.id not in self.view.entries:
+                    return
+                conn = self.connection()
+                linked = [row[0] for row in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (entry.id,))]
+                if broken.chunk is not None and broken.chunk not in linked:
+                    return
+                if broken.chunk is None:
+                    users = [entry.id]
+                else:
+                    users = [row[0] for row in conn.execute("SELECT entry_id FROM links WHERE chunk = ?", (broken.chunk,))]
+            except sqlite3.Error as error:
+                logger.warning("disk cache: index unavailable (%s)", error)
+                return
+            victims = [self.view.entries[i] for i in users if i in self.view.entries]
+            logger.warning(
+                "disk cache: dropping %d entries using a damaged chunk %s: %s",
+                len(victims), broken.chunk.hex() if broken.chunk else "(links)", broken.reason,
+            )
+            self.delete(victims)
+
+    def touch(self, entry_id: int, hit: bool = True) -> None:
+        """Make an entry the most recently used, for every process. Lock held; errors are logged."""
+        conn = self.connection()
+        try:
+            with _transaction(conn):
+                cursor = conn.execute(
+                    "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?",
+                    (_TOUCH, entry_id),
+                )
+                if cursor.rowcount:
+                    conn.execute(
+                        "UPDATE entries SET recency = ?, accessed = ?, hits = hits + ? WHERE id = ?",
+                        (cursor.lastrowid, time.time(), 1 if hit else 0, entry_id),
+                    )
+        except sqlite3.Error as error:
+            logger.warning("disk cache: could not record a hit: %s", error)
+            return
+        self.sync_or_log(force=True)
+
+    def delete(self, victims: list[_Entry]) -> list[_Entry]:
+        """Delete entries in one transaction, then unlink their files. Lock held; errors are logged.
+
+        Returns:
+            The entries deleted.
+        """
+        if not victims:
+            return []
+        try:
+            conn = self.connection()
+            with _transaction(conn):
+                deleted, linked = _delete_rows(conn, victims)
+                freed = chunkstore.release(conn, linked)
+        except sqlite3.Error as error:
+            logger.warning("disk cache: could not delete %d entries: %s", len(victims), error)
+            return []
+        self.sync_or_log(force=True)
+        for file in [victim.file for victim in deleted] + [file for file, _ in freed]:
+            self.data.unlink(file)
+        return deleted
+
+    def valid_rows(self, order: str = "recency") -> list[tuple[_Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:
+        """Every valid row of the entries table with its extra columns (created, accessed, hits). Lock held."""
+        out = []
+        for row in self.connection().execute(f"SELECT {_ROW}, created, accessed, hits FROM entries ORDER BY {order}"):
+            try:
+                entry, tokens = _entry_from_row(row[:12])
+            except _BadRow as problem:
+                self.log_bad_row("entries", row[0], str(problem))
+                continue
+            out.append((entry, tokens, row[12:]))
+        return out

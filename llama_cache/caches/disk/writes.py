@@ -1,0 +1,278 @@
+"""The disk tier's write path: encode, write new files, commit with eviction, unlink what is freed.
+
+:func:`store_state` stores one state into a :class:`~.store.DiskStore` under a byte ``capacity``: a
+state already held with the same tokens is only touched; otherwise its payload (or its chain head and
+the chunks the index does not hold yet, :mod:`.chunked`) goes to new files, then :func:`_commit`
+replaces the same key, evicts least recently used entries until the unique bytes fit, links the
+chunks and frees those nothing links, in one transaction, and unlinks the files nothing names only
+after it (the package docstring's write protocol). A state that does not fit the whole capacity is
+rejected (counted), and the entry it would replace dropped.
+
+Functions here hold no state; they take the store's lock around each index step.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import sqlite3
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from llama_cache.caches.disk import chunked, chunkstore
+from llama_cache.caches.disk.rows import _is_int, _key_blob, _key_hash, _state_cap
+from llama_cache.caches.disk.schema import _ADD, _DELETE, _delete_rows, _maybe_trim, _transaction
+from llama_cache.caches.disk.store import DiskStore
+from llama_cache.state.chunks import KIND_CHUNKED, encode_head
+from llama_cache.state.format import KIND_UPSTREAM, encode, encode_upstream, encoded_size
+from llama_cache.state.llama_state import LlamaState
+from llama_cache.state.values import can_be_cut
+
+logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
+
+
+class _ChunkGone(Exception):
+    """A chunk a store counted on was freed by another process before the store committed."""
+
+
+class _TooBig(Exception):
+    """A new entry does not fit the capacity even with every other entry evicted."""
+
+
+def store_state(
+    store: DiskStore, capacity: int, tokens: npt.NDArray[np.int32], value: Any, namespace: str, kind: int
+) -> None:
+    """Write one state's payload (or chain head and chunks), then commit it within ``capacity`` bytes.
+
+    Runs in the writer thread or the caller's, without the lock (taken around each index step).
+    Never raises for the value or the directory: failures are logged and counted.
+    """
+    n_state = int(value.n_tokens)
+
+    def has_logits() -> bool:  # a scan of the scores for llama-cpp-python's states: only when needed
+        if kind == KIND_UPSTREAM:
+            return bool(np.any(np.asarray(value.scores)))
+        return value.logits is not None
+
+    # A store that would only rewrite what is there touches the entry instead (decided in memory).
+    try:
+        with store.lock:
+            store.sync()
+            old = store.view.exact(namespace, tokens)
+            if old is not None and old.kind == kind and old.n_state == n_state and (old.logits or not has_logits()):
+                store.touch(old.id, hit=False)
+                return
+    except sqlite3.Error as error:
+        with store.lock:
+            store.counters.write_errors += 1
+            store.counters.store_errors += 1
+        logger.warning("disk cache: index unavailable (%s); state not cached", error)
+        return
+    if kind == KIND_CHUNKED:
+        _store_chunked(store, capacity, tokens, value, namespace)
+        return
+    try:
+        parts = encode_upstream(value, namespace) if kind == KIND_UPSTREAM else encode(value)
+    except (TypeError, ValueError, AttributeError) as error:
+        with store.lock:
+            store.counters.store_errors += 1
+        logger.warning("disk cache: not caching a %s: %s", type(value).__name__, error)
+        return
+    raw_size = encoded_size(parts)
+    cut = kind == KIND_UPSTREAM or can_be_cut(value)
+    if raw_size > _state_cap(len(tokens)):
+        with store.lock:
+            store.counters.store_errors += 1
+        logger.warning(
+            "disk cache: not caching a %d-byte state for %d tokens: above the %d bytes any reader accepts",
+            raw_size, len(tokens), _state_cap(len(tokens)),
+        )
+        return
+    if store.compress is None and raw_size > capacity:
+        _reject(store, capacity, namespace, tokens, raw_size)
+        return
+    name = chunked.new_name()
+    try:
+        size = store.data.write(name, parts, store.compress, store.fsync)
+    except OSError as error:
+        _write_failed(store, error, raw_size)
+        return
+    if size > capacity:
+        store.data.unlink(name)
+        _reject(store, capacity, namespace, tokens, size)
+        return
+    row = (kind, int(cut), int(has_logits()), n_state)
+    _commit(store, capacity, namespace, tokens, name, size, raw_size, row)
+
+
+def _write_failed(store: DiskStore, error: OSError, nbytes: int) -> None:
+    with store.lock:
+        store.counters.write_errors += 1
+        store.counters.store_errors += 1
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        logger.warning("disk cache: no space left for a %d-byte state; not cached", nbytes)
+    else:
+        logger.warning("disk cache: could not write a state (%s); not cached", error)
+
+
+def _store_chunked(
+    store: DiskStore, capacity: int, tokens: npt.NDArray[np.int32], state: LlamaState, namespace: str
+) -> None:
+    """Store a transformer state as its chain head and the chunks the index does not hold yet.
+
+    Only missing chunks are written (before the commit, like any payload). Should another
+    process free a chunk this store counted on before it commits, the store starts over once.
+    """
+    for attempt in range(2):
+        try:
+            with store.lock:
+                store.sync()
+                chain = chunked.plan(store, state, namespace)
+        except sqlite3.Error as error:
+            with store.lock:
+                store.counters.write_errors += 1
+                store.counters.store_errors += 1
+            logger.warning("disk cache: index unavailable (%s); state not cached", error)
+            return
+        head = encode_head(state, chain.chunk_tokens)
+        raw_size = encoded_size(head)
+        name = chunked.new_name()
+        try:
+            chunked.write_chunks(store, state, namespace, chain)
+            size = store.data.write(name, head, store.compress, store.fsync)
+        except OSError as error:
+            chunked.discard(store, chain)
+            _write_failed(store, error, raw_size + sum(piece.n_tokens for piece in chain.todo))
+            return
+        row = (KIND_CHUNKED, 1, int(state.logits is not None), state.n_tokens)
+        if _commit(store, capacity, namespace, tokens, name, size, raw_size, row, chain) or attempt:
+            return
+
+
+def _commit(
+    store: DiskStore, capacity: int, namespace: str, tokens: npt.NDArray[np.int32], name: str, size: int, raw_size: int,
+    row: tuple[int, int, int, int], chain: chunked.ChainPlan | None = None,
+) -> bool:
+    """Commit a written payload (and chunks): replace the same key, evict LRU entries, then unlink
+    the files nothing names any more.
+
+    Returns:
+        False when a chunk ``chain`` counted on is gone (nothing committed, the files written are
+        removed: plan again), else True (committed, rejected or failed and logged).
+    """
+    blob = _key_blob(tokens)
+    now = time.time()
+    unused: list[str] = []  # files written by this store that another store's rows made redundant
+    freed: list[tuple[str, int]] = []
+    with store.lock:
+        try:
+            conn = store.connection()
+            with _transaction(conn):
+                store.sync(force=True)  # under the write lock: the local view equals the index
+                unlinked: set[bytes] = set()
+                if chain is not None:
+                    for chunk in chain.written:
+                        if chunkstore.insert(conn, chunk):
+                            unlinked |= chunkstore.absorb(conn, chunk)
+                        else:
+                            unused.append(chunk.file)
+                    if len(chunkstore.present(conn, chain.ids)) != len(set(chain.ids)):
+                        raise _ChunkGone
+                old = store.view.exact(namespace, tokens)
+                # A replaced entry's hit count carries over: the same prompt is re-stored after
+                # each completion that hit it.
+                hits = 0
+                if old is not None:
+                    found = conn.execute("SELECT hits FROM entries WHERE id = ?", (old.id,)).fetchone()
+                    hits = found[0] if found is not None and _is_int(found[0]) and found[0] >= 0 else 0
+                victims, linked = _delete_rows(conn, [old] if old is not None else [])
+                unlinked |= linked
+                # A malformed row holding this key (not in memory) would break UNIQUE: it goes too.
+                key_hash = _key_hash(blob)
+                for (stale,) in conn.execute(
+                    "SELECT id FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, key_hash)
+                ).fetchall():
+                    conn.execute("INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_DELETE, stale))
+                    conn.execute("DELETE FROM entries WHERE id = ?", (stale,))
+                    unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (stale,)))
+                    conn.execute("DELETE FROM links WHERE entry_id = ?", (stale,))
+                cursor = conn.execute(
+                    "INSERT INTO entries (namespace, key, key_hash, kind, cut, logits, n_state, file, size, "
+                    "raw_size, codec, created, accessed, recency, hits) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                    (namespace, blob, key_hash, *row, name, size, raw_size,
+                     "raw" if store.compress is None else "zlib", now, now, hits),
+                )
+                entry_id = cursor.lastrowid
+                assert entry_id is not None  # set by every INSERT
+                # Links left under this id by a damaged index (ids are not reused otherwise) go.
+                unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (entry_id,)))
+                conn.execute("DELETE FROM links WHERE entry_id = ?", (entry_id,))
+                if chain is not None:
+                    chunkstore.link(conn, entry_id, chain.ids)
+                freed += chunkstore.release(conn, unlinked)
+                # Evict least recently used entries until the unique bytes fit.
+                total = store.view.bytes - (old.size if old is not None else 0) + size
+                total += chunkstore.stored_bytes(conn)
+                evicted = 0
+                for victim_id in store.view.lru:
+                    if total <= capacity:
+                        break
+                    entry = store.view.entries[victim_id]
+                    if entry is old:
+                        continue
+                    gone, linked = _delete_rows(conn, [entry])
+                    released = chunkstore.release(conn, linked)
+                    freed += released
+                    victims += gone
+                    total -= entry.size + sum(nbytes for _, nbytes in released)
+                    evicted += 1
+                if total > capacity:
+                    raise _TooBig
+                seq = conn.execute(
+                    "INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_ADD, entry_id)
+                ).lastrowid
+                assert seq is not None
+                conn.execute("UPDATE entries SET recency = ? WHERE id = ?", (seq, entry_id))
+                _maybe_trim(conn, seq)
+        except (_ChunkGone, _TooBig, sqlite3.Error) as error:
+            store.data.unlink(name)
+            if chain is not None:
+                chunked.discard(store, chain)
+            if isinstance(error, _ChunkGone):
+                return False
+            if isinstance(error, _TooBig):
+                _reject(store, capacity, namespace, tokens, size + (chain.written_bytes if chain is not None else 0))
+                return True
+            store.counters.write_errors += 1
+            store.counters.store_errors += 1
+            logger.warning("disk cache: could not commit a state (%s); not cached", error)
+            return True
+        store.counters.evictions += evicted
+        store.counters.writes += 1
+        store.sync_or_log(force=True)  # committed; on failure the next operation catches up
+    # Only now that no committed row names them.
+    for file in [victim.file for victim in victims] + [file for file, _ in freed] + unused:
+        store.data.unlink(file)
+    return True
+
+
+def _reject(store: DiskStore, capacity: int, namespace: str, tokens: npt.NDArray[np.int32], size: int) -> None:
+    logger.info(
+        "disk cache: not caching a %d-byte state: larger than the whole capacity (%d bytes)",
+        size,
+        capacity,
+    )
+    with store.lock:
+        store.counters.rejected += 1
+        try:
+            store.sync()
+        except sqlite3.Error as error:
+            logger.warning("disk cache: index unavailable (%s)", error)
+            return
+        old = store.view.exact(namespace, tokens)
+        if old is not None:
+            store.delete([old])
