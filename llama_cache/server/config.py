@@ -99,6 +99,9 @@ class ServerConfig:
         shutdown_timeout: seconds SIGTERM waits for running requests before cancelling them.
         n_threads: llama.cpp threads per context, for prompts and generation alike (None: one per
             physical core, :func:`physical_cores`, as ``llama-server``).
+        redis_write_through: with a Redis tier, a completion's state is stored in every tier before the
+            stream's last chunk goes out, so the next turn finds it on any instance (off: written behind,
+            the last chunk at once).
         flash_attn: llama.cpp's flash attention (``llama-server``'s ``auto`` enables it wherever the
             backend supports it, the CPU included).
         max_body_bytes: the largest request body accepted; a larger one is answered 413.
@@ -138,6 +141,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     n_threads: int | None = None
     flash_attn: bool = True
+    redis_write_through: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT
@@ -229,6 +233,9 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
                   "llama.cpp threads per context, for prompts and generation (default: one per physical core, "
                   "as llama-server)"),
     "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", on_off, "llama.cpp's flash attention, on or off (default on)"),
+    "redis_write_through": ("LLAMA_CACHE_REDIS_WRITE_THROUGH", on_off,
+                            "with --redis: store a completion's state in Redis before its last chunk, on or off "
+                            "(default on: the next turn finds it on any instance)"),
     "max_body_bytes": ("LLAMA_CACHE_MAX_BODY_BYTES", int,
                        f"largest request body accepted, in bytes; larger ones get 413 "
                        f"(default {DEFAULT_MAX_BODY_BYTES >> 20} MiB)"),

@@ -96,7 +96,7 @@ def load_engine(config: ServerConfig) -> Engine:
     # stored there before its last chunk goes out (write-through), so the next turn finds it wherever
     # it lands.
     cache = tiers[0][1] if len(tiers) == 1 else TieredCache(
-        [tier for _, tier in tiers], write_through=config.redis_url is not None)
+        [tier for _, tier in tiers], write_through=config.redis_url is not None and config.redis_write_through)
     options = config.context_options()
     compute = ComputeThread()
     tokenized = TokenizationMemo(max_tokens=config.n_ctx)

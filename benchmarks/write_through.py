@@ -1,0 +1,97 @@
+"""What write-through to Redis costs a streamed answer: its last chunk waits for the state to be stored.
+
+``llama-cache serve --redis URL`` stores the state ending a completion in every tier before the stream's
+last chunk goes out, so a conversation's next turn finds it on any instance (see docs/serving.md). This
+runs one server in this process against a real redis-server and answers the turns of conversations on a
+long system document with write-through on and off, alternating per turn, and reports how long the last
+chunk took after the one before it, and the whole answer.
+
+    python benchmarks/write_through.py [--turns 6] [--document-words 900]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.serve import machine  # noqa: E402
+from llama_cache.server import ServerConfig  # noqa: E402
+from llama_cache.testing.redis_server import RedisServer  # noqa: E402
+from tests.live_server import LiveServer  # noqa: E402
+
+
+def _stream(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, float, float]:
+    """(answer, seconds from the chunk before the last to the last, seconds for the whole answer)."""
+    started = time.monotonic()
+    arrivals: list[float] = []
+    text = []
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=600, json={
+            "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            arrivals.append(time.monotonic())
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                text.append(chunk["choices"][0]["delta"].get("content") or "")
+    return "".join(text), arrivals[-1] - arrivals[-2], arrivals[-1] - started
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--turns", type=int, default=6, help="turns per conversation (one conversation per mode)")
+    parser.add_argument("--document-words", type=int, default=900)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "write_through.json")
+    args = parser.parse_args(argv)
+    rng = random.Random(7)
+    words = "river port barge lock canal harbour bridge quay tide delta".split()
+    results: dict[str, dict[str, list[float]]] = {mode: {"last_chunk": [], "answer": []} for mode in ("on", "off")}
+    with RedisServer() as redis:
+        live = LiveServer(ServerConfig(n_ctx=4096, parallel=1, redis_url=redis.url))
+        try:
+            cache = live.engine.cache
+            conversations = {}
+            for mode in ("on", "off"):
+                document = " ".join(rng.choice(words) for _ in range(args.document_words))
+                conversations[mode] = [{"role": "system", "content": f"({mode}) {document}"}]
+            for turn in range(args.turns):
+                for mode in (("on", "off") if turn % 2 == 0 else ("off", "on")):
+                    cache.write_through = mode == "on"  # the engine reads it for each request
+                    messages = conversations[mode]
+                    messages.append({"role": "user", "content": f"Question {turn}: name a {rng.choice(words)}."})
+                    answer, last, whole = _stream(live.url, messages, args.max_tokens)
+                    messages.append({"role": "assistant", "content": answer})
+                    if turn:  # the first turn evaluates the document: not what is compared
+                        results[mode]["last_chunk"].append(last)
+                        results[mode]["answer"].append(whole)
+        finally:
+            live.stop()
+    summary = {mode: {name: {"median": statistics.median(values), "min": min(values), "max": max(values)}
+                      for name, values in measures.items()} for mode, measures in results.items()}
+    extra = summary["on"]["last_chunk"]["median"] - summary["off"]["last_chunk"]["median"]
+    print(f"{'write-through':<14} {'last chunk (ms, median, min-max)':<36} {'whole answer (ms)':<24}")
+    for mode in ("on", "off"):
+        last, whole = summary[mode]["last_chunk"], summary[mode]["answer"]
+        print(f"{mode:<14} {last['median'] * 1e3:7.1f} ({last['min'] * 1e3:.1f}-{last['max'] * 1e3:.1f})"
+              f"{'':<14} {whole['median'] * 1e3:8.1f} ({whole['min'] * 1e3:.0f}-{whole['max'] * 1e3:.0f})")
+    print(f"cost of write-through per answer (median last-chunk delay, on - off): {extra * 1e3:.1f} ms")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine(), "settings": vars(args) | {"out": str(args.out)},
+                                    "raw": results, "summary": summary, "cost_ms": extra * 1e3}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
