@@ -421,6 +421,29 @@ def test_a_second_process_with_its_own_ram_tier_hits_what_the_first_computed(fre
     _two_processes(fresh.url)
 
 
+@pytest.mark.model
+def test_an_exact_repeat_after_reset_evaluates_nothing(fresh: Deployment) -> None:
+    # 257 tokens: one full chunk and a one-token tail. On a cluster the exact hit's recency update
+    # (a script in the fetch's pipeline) was refused by redis-py, and the whole prompt was evaluated again.
+    import llama_cache
+    from llama_cache import Llama
+
+    cache = LlamaRedisCache(fresh.url)
+    llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0, cache=cache)
+    prompt = llm.tokenize(b"The history of the printing press begins in the fifteenth century. " * 40)[:257]
+    assert len(prompt) == 257
+    first = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert llm.last_prompt_tokens_evaluated == 257
+    llm.reset()
+    again = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert llm.last_prompt_tokens_evaluated == 0 and again == first
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, cache.errors) == (1, 1, 0)
+    llm.reset()
+    llm.create_completion([*prompt, *llm.tokenize(b" Its inventor", add_bos=False)], max_tokens=4, temperature=0)
+    assert 0 < llm.last_prompt_tokens_evaluated <= 3
+
+
 def test_a_new_client_cuts_chains_as_the_namespace_records(fresh: Deployment) -> None:
     first = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=32)
     state = make_cut_state(range(100), 100 * 400)

@@ -256,7 +256,6 @@ class LlamaRedisCache(BaseLlamaCache):
         self._fingerprint = fingerprint
         self._client = client if client is not None else _connect(url, self.timeout, cluster)
         self._script = self._client.register_script(_STORE_SCRIPT)
-        self._touch = self._client.register_script(_TOUCH_SCRIPT)
         self._hits = self._misses = self._evictions = self._rejected = 0
         self._writes = self._store_errors = self._round_trips = 0
         self.errors = 0
@@ -460,7 +459,9 @@ class LlamaRedisCache(BaseLlamaCache):
                 pipe.get(key)
             if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
                 lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
-                self._touch(keys=[lru, clock], args=[_digest(query).hex()], client=pipe)
+                # A plain EVAL: redis-py refuses EVALSHA (a registered script) and its own eval() in a
+                # cluster's pipelines, and a refused call here made every exact hit a miss.
+                pipe.execute_command("EVAL", _TOUCH_SCRIPT, 2, lru, clock, _digest(query).hex())
             return pipe.execute()[: len(keys)]
 
         values = self._call("fetch", run)
@@ -637,7 +638,8 @@ class LlamaRedisCache(BaseLlamaCache):
         """Run ``run()`` against Redis; on failure log once per outage, count, and return None."""
         try:
             result = run()
-        except (redis.RedisError, OSError) as error:
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as error:
+            # RedisClusterException (a cluster client refusing a call, or finding no node) is not a RedisError.
             with self._lock:
                 self.errors += 1
                 if store:
