@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -357,6 +358,53 @@ def test_passwords_pass_through_to_redis(kind: str) -> None:
         right = LlamaRedisCache(server.url, fingerprint="test")
         right[[1]] = make_cut_state([1], 500)
         assert right[[1]].n_tokens == 1
+
+
+def test_usernames_and_passwords_in_multi_node_urls() -> None:
+    # The password of a URL naming several nodes was dropped: "Authentication required" out of the
+    # constructor.
+    with RedisCluster(3, password="s3cret") as cluster:
+        for node in cluster.servers:
+            assert node.cli("acl", "setuser", "alice", "on", ">a1ice", "~*", "&*", "+@all").strip() == "OK"
+        nodes = cluster.url.split("@", 1)[1]
+        for url in (f"redis://alice:a1ice@{nodes}", f"redis://:s3cret@{nodes}/0", f"redis://default:s3cret@{nodes}"):
+            cache = LlamaRedisCache(url, fingerprint="test")
+            cache[[1, 2]] = make_cut_state([1, 2], 500)
+            assert cache[[1, 2]].n_tokens == 2 and cache.errors == 0
+        refused = LlamaRedisCache(f"redis://alice:wrong@{nodes}", fingerprint="test")  # nothing raised here
+        with pytest.raises(KeyError):
+            refused[[1, 2]]
+        assert refused.errors == 1 and "wrong" not in repr(refused)
+
+
+@pytest.mark.parametrize("loss", ["killed", "stopped"])
+def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: str) -> None:
+    from llama_cache.caches.redis_tier import _chunk_key, _meta_key
+
+    # Without full coverage required, the nodes left answer for their own slots.
+    with RedisCluster(3, args=["--cluster-require-full-coverage", "no"]) as cluster:
+        cache = LlamaRedisCache(cluster.url, 10**8, fingerprint="test", chunk_tokens=8, timeout=0.5)
+        state = make_cut_state(range(200), 200 * 100, logits=True)
+        cache[range(200)] = state
+        client = raw_client(cluster)
+        holders = [client.get_node_from_key(_chunk_key(piece.id)).port for piece in pieces("test", state.tokens, 8)]
+        metadata = client.get_node_from_key(_meta_key("test", "lru")).port
+        victim = next(node for node in cluster.servers if node.port not in (metadata, holders[0]) and node.port in holders)
+        assert victim.process is not None
+        lost_from = holders.index(victim.port) * 8
+        if loss == "killed":
+            victim.kill()
+        else:
+            victim.process.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+        try:
+            for _ in range(3):
+                found = cache[range(200)]
+                assert found.n_tokens == lost_from and found.logits is None
+                assert np.array_equal(found.seq_bytes(), state.prefix(lost_from, None).seq_bytes())
+            assert cache.errors >= 3 and cache.stats().hits == 3
+        finally:
+            if loss == "stopped":
+                victim.process.send_signal(signal.SIGCONT)
 
 
 def test_bad_arguments_raise() -> None:

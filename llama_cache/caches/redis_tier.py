@@ -39,8 +39,15 @@ chains or misses, and ``sweep`` repairs the accounting.
 bounded by ``timeout`` seconds; a failing lookup is a miss and a failing store is skipped, each logged
 once per outage (at WARNING) and counted in ``stats().store_errors`` and :attr:`errors`; redis-py
 reconnects by itself on the next call. Nothing raises out of a lookup or a store. ``rediss://`` URLs,
-passwords and usernames pass through to redis-py; the password never reaches a log line or ``repr``
-(:func:`redact_url`, and redis-py's error messages are scrubbed of it before they are logged).
+passwords and usernames pass through to redis-py, for every node of a multi-node URL too; the password
+never reaches a log line or ``repr`` (:func:`redact_url`, and redis-py's error messages are scrubbed of
+it before they are logged). A cluster client is made on first use, not in the constructor.
+
+**A lost cluster node** (killed, or not answering): each node is asked for its own keys, so the chunks it
+held are misses (a shorter hit) while the other nodes answer, each lookup waiting at most ``timeout``
+for it; when it held the namespace's metadata, lookups are misses. Stores that need it are skipped.
+The servers must run with ``cluster-require-full-coverage no``, or they refuse every command once the
+cluster marks a node failed.
 
 What it stores: llama-cache states of transformer models (with a KV layout). Other values (recurrent
 states, llama-cpp-python's own states) are not stored here (counted in ``store_errors``, logged once);
@@ -254,13 +261,15 @@ class LlamaRedisCache(BaseLlamaCache):
         self.chunk_tokens = chunk_tokens
         self.verify = bool(verify)
         self._fingerprint = fingerprint
-        self._client = client if client is not None else _connect(url, self.timeout, cluster)
-        self._script = self._client.register_script(_STORE_SCRIPT)
+        self._cluster = bool(cluster)
+        self._connected: Any = client  # built on first use: a cluster client contacts its nodes at once
+        self._script: Any = None
         self._hits = self._misses = self._evictions = self._rejected = 0
         self._writes = self._store_errors = self._round_trips = 0
         self.errors = 0
         """Calls that failed (Redis unreachable, slow, refusing, out of memory, damaged values)."""
         self._failing: str | None = None  # the kind of failure logged for the current outage
+        self._node_lost = False  # a cluster node failed the last fetch while others answered
         self._unstorable_logged = False
         self._layouts: dict[str, tuple[KVLayout, int, int]] = {}  # ns -> (layout, chunk_tokens, seed)
 
@@ -388,9 +397,11 @@ class LlamaRedisCache(BaseLlamaCache):
 
     def close(self) -> None:
         """Close the connections (the cache stays usable: redis-py reconnects)."""
+        if self._connected is None:
+            return
         try:
-            self._client.close()
-        except redis.RedisError:
+            self._connected.close()
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError):
             pass
 
     # -------------------------------------------------------------------------------- lookups
@@ -412,18 +423,17 @@ class LlamaRedisCache(BaseLlamaCache):
         ids = chain_ids(fingerprint, query, size) if size else []
         blob = np.ascontiguousarray(query, dtype="<i4").tobytes()
 
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens", "seed"])
-            pipe.hmget(_entry_key(fingerprint, query), ["head", "chain"])
-            prev = b""
-            for k, ident in enumerate(ids):
-                pipe.hget(_prefixes_key(fingerprint, prev), blob[4 * k * size : 4 * (k + 1) * size])
-                prev = ident
-            _ask_children(pipe, fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
-            return pipe.execute()
-
-        reply = self._call("lookup", run)
+        meta, entry = _meta_key(fingerprint, "meta"), _entry_key(fingerprint, query)
+        commands: list[tuple[Any, tuple[Any, ...]]] = [
+            (meta, ("HMGET", meta, "layout", "chunk_tokens", "seed")), (entry, ("HMGET", entry, "head", "chain")),
+        ]
+        prev = b""
+        for k, ident in enumerate(ids):
+            field = _prefixes_key(fingerprint, prev)
+            commands.append((field, ("HGET", field, blob[4 * k * size : 4 * (k + 1) * size])))
+            prev = ident
+        commands += _ask_children(fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
+        reply = self._call("lookup", lambda: _pipelined(self._client, commands))
         if reply is None:
             return None
         meta, exact, *found = reply
@@ -443,8 +453,8 @@ class LlamaRedisCache(BaseLlamaCache):
         else:
             prev = ids[unbroken - 1] if unbroken else b""
             rest = blob[4 * unbroken * chunk_tokens :]
-            children = self._call("lookup", lambda: _ask_children(self._client.pipeline(transaction=False),
-                                                                   fingerprint, prev, rest, chunk_tokens).execute()[0])
+            asked = _ask_children(fingerprint, prev, rest, chunk_tokens)
+            children = self._call("lookup", lambda: _pipelined(self._client, asked)[0])
         return _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
 
     def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
@@ -453,20 +463,18 @@ class LlamaRedisCache(BaseLlamaCache):
             return None
         keys = [_chunk_key(ident) for ident, _, _ in plan.chunks]
 
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-            if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
-                lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
-                # A plain EVAL: redis-py refuses EVALSHA (a registered script) and its own eval() in a
-                # cluster's pipelines, and a refused call here made every exact hit a miss.
-                pipe.execute_command("EVAL", _TOUCH_SCRIPT, 2, lru, clock, _digest(query).hex())
-            return pipe.execute()[: len(keys)]
+        commands: list[tuple[Any, tuple[Any, ...]]] = [(key, ("GET", key)) for key in keys]
+        if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
+            lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
+            # A plain EVAL: redis-py refuses EVALSHA (a registered script) and its own eval() in a
+            # cluster's pipelines, and a refused call here made every exact hit a miss.
+            commands.append((lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, _digest(query).hex())))
 
-        values = self._call("fetch", run)
-        if values is None:
+        replies = self._call("fetch", lambda: _pipelined(self._client, commands, strict=False))
+        if replies is None:
             return None
+        values = replies[: len(keys)]
+        self._note_lost_node(next((reply for reply in values if isinstance(reply, Exception)), None))
         segments: list[KVSegment] = []
         covered = 0
         for (ident, prev, start), value in zip(plan.chunks, values):
@@ -492,6 +500,19 @@ class LlamaRedisCache(BaseLlamaCache):
         source = Head(plan.fingerprint, plan.seed, np.array(query[:covered], dtype=np.int32),
                       head.logits if head is not None else None, plan.chunk_tokens, plan.layout)
         return assemble(source, segments, covered)
+
+    def _note_lost_node(self, error: Exception | None) -> None:
+        """Count and log (once per outage) a cluster node failing while the others answered (``error``),
+        or note that every node answered (None)."""
+        with self._lock:
+            was_lost, self._node_lost = self._node_lost, error is not None
+            if error is not None:
+                self.errors += 1
+        if error is not None and not was_lost:
+            logger.warning("redis cache: a cluster node failed (%s: %s); its chunks are misses until it answers again",
+                           type(error).__name__, self._scrub(str(error)))
+        elif error is None and was_lost:
+            logger.warning("redis cache: every cluster node answers again")
 
     def _note_damage(self, ident: bytes, reason: str) -> None:
         with self._lock:
@@ -540,18 +561,17 @@ class LlamaRedisCache(BaseLlamaCache):
 
         layout_json = json.dumps(layout_to_json(layout), sort_keys=True)
 
-        def present() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.hsetnx(_meta_key(fingerprint, "meta"), "layout", layout_json)
-            pipe.hsetnx(_meta_key(fingerprint, "meta"), "chunk_tokens", chunk_tokens)
-            pipe.hsetnx(_meta_key(fingerprint, "meta"), "seed", int(state.seed))
-            for piece in chain:  # the values themselves: Redis may have evicted one that is still linked
-                pipe.exists(_chunk_key(piece.id))
-            pipe.hget(_prefixes_key(fingerprint, chain[-1].prev), chain[-1].tokens.astype("<i4").tobytes())
-            pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens"])
-            return pipe.execute()
-
-        reply = self._call("store", present, store=True)
+        meta, prefixes = _meta_key(fingerprint, "meta"), _prefixes_key(fingerprint, chain[-1].prev)
+        asked: list[tuple[Any, tuple[Any, ...]]] = [
+            (meta, ("HSETNX", meta, "layout", layout_json)),
+            (meta, ("HSETNX", meta, "chunk_tokens", chunk_tokens)),
+            (meta, ("HSETNX", meta, "seed", int(state.seed))),
+            # The values themselves: Redis may have evicted one that is still linked.
+            *((key, ("EXISTS", key)) for key in map(_chunk_key, (piece.id for piece in chain))),
+            (prefixes, ("HGET", prefixes, chain[-1].tokens.astype("<i4").tobytes())),
+            (meta, ("HMGET", meta, "layout", "chunk_tokens")),
+        ]
+        reply = self._call("store", lambda: _pipelined(self._client, asked), store=True)
         if reply is None:
             return
         recorded = reply.pop()
@@ -590,11 +610,11 @@ class LlamaRedisCache(BaseLlamaCache):
 
         def write() -> Any:
             if values:
-                pipe = self._client.pipeline(transaction=False)
-                for ident, value in values.items():
-                    pipe.set(_chunk_key(ident), value)
-                pipe.execute()
+                _pipelined(self._client, [(key, ("SET", key, value)) for key, value in
+                                          ((_chunk_key(ident), value) for ident, value in values.items())])
             keys = [_entry_key(fingerprint, tokens), *(_meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
+            if self._script is None:
+                self._script = self._client.register_script(_STORE_SCRIPT)
             return self._script(keys=keys, args=args)
 
         result = self._call("store", write, store=True, trips=2 if values else 1)
@@ -633,6 +653,19 @@ class LlamaRedisCache(BaseLlamaCache):
         return int(result or 0)
 
     # ------------------------------------------------------------------------------ the client
+
+    @property
+    def _client(self) -> Any:
+        """The redis-py client, made on first use (inside :meth:`_call`, so that a cluster that cannot
+        be reached or refuses the credentials is a counted failure, not an exception out of the
+        constructor; the next call tries again)."""
+        client = self._connected
+        if client is None:
+            with self._lock:
+                if self._connected is None:
+                    self._connected = _connect(self.url, self.timeout, self._cluster)
+                client = self._connected
+        return client
 
     def _call(self, what: str, run: Any, *, store: bool = False, trips: int = 1) -> Any:
         """Run ``run()`` against Redis; on failure log once per outage, count, and return None."""
@@ -685,12 +718,13 @@ class _Plan:
         self.head = head
 
 
-def _ask_children(pipe: Any, fingerprint: str, prev: bytes, rest: bytes, size: int | None) -> Any:
-    """Queue the question "which child of ``prev`` holds each prefix of ``rest``'s first chunk"."""
-    if size:
-        head = rest[: 4 * size]
-        pipe.hmget(_prefixes_key(fingerprint, prev), [head[: 4 * n] for n in range(1, len(head) // 4 + 1)] or [b""])
-    return pipe
+def _ask_children(fingerprint: str, prev: bytes, rest: bytes, size: int | None) -> list[tuple[Any, tuple[Any, ...]]]:
+    """The command asking "which child of ``prev`` holds each prefix of ``rest``'s first chunk" (none
+    while the chunk length is unknown), as :func:`_pipelined` takes it."""
+    if not size:
+        return []
+    head, key = rest[: 4 * size], _prefixes_key(fingerprint, prev)
+    return [(key, ("HMGET", key, *([head[: 4 * n] for n in range(1, len(head) // 4 + 1)] or [b""])))]
 
 
 def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], children: Any, chunk_tokens: int,
@@ -726,6 +760,51 @@ def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], chil
         except CorruptStateError:
             head = None
     return _Plan(fingerprint, chunks, position, layout, chunk_tokens, head.seed if head is not None else seed, head)
+
+
+def _pipelined(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], *, strict: bool = True) -> list[Any]:
+    """The replies to ``commands`` (each ``(its key, its arguments)``), in one round trip per node.
+
+    On a cluster each node is sent its own commands in one pipeline of its own (not redis-py's cluster
+    pipeline, which retries a failing node's commands one by one and rebuilds its slot table: seconds
+    for a node that stopped answering). A node that fails (lost, timing out, refusing) gives its
+    commands' replies as the exception, at the cost of one ``timeout`` at most; a reply that says a slot
+    moved refreshes the slot table for the next call. ``strict``: raise the first failure instead.
+
+    Raises:
+        redis.RedisError, redis.exceptions.RedisClusterException, OSError: a failure (one server; or
+            with ``strict``).
+    """
+    if not isinstance(client, redis.cluster.RedisCluster):
+        pipe = client.pipeline(transaction=False)
+        for _, args in commands:
+            pipe.execute_command(*args)
+        return list(pipe.execute())
+    replies: list[Any] = [None] * len(commands)
+    by_node: dict[str, tuple[Any, list[int]]] = {}
+    for at, (key, _) in enumerate(commands):
+        try:
+            node = client.get_node_from_key(key)
+        except redis.exceptions.RedisClusterException as error:  # its slot is covered by no node
+            replies[at] = error
+            continue
+        by_node.setdefault(node.name, (node, []))[1].append(at)
+    for node, positions in by_node.values():
+        pipe = client.get_redis_connection(node).pipeline(transaction=False)
+        for at in positions:
+            pipe.execute_command(*commands[at][1])
+        try:
+            answers = pipe.execute(raise_on_error=False)
+        except (redis.RedisError, OSError) as error:
+            answers = [error] * len(positions)
+        for at, answer in zip(positions, answers):
+            replies[at] = answer
+    if any(isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError)) for reply in replies):
+        client.nodes_manager.initialize()
+    failure = next((reply for reply in replies if isinstance(reply, Exception)), None)
+    if strict and failure is not None:
+        raise failure
+    return replies
 
 
 def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
@@ -866,21 +945,39 @@ def _url_secrets(url: str) -> list[str]:
 def _connect(url: str, timeout: float, cluster: bool) -> Any:
     """A redis-py client for ``url`` with every call bounded by ``timeout``.
 
-    A call whose connection turns out broken (the server restarted) is retried once on a new
-    connection; a call that times out is not retried.
+    A URL naming several nodes (``redis[s]://[[user]:password@]host:port,host:port,.../0?options``) or
+    ``cluster=True`` gives a cluster client: the credentials, the scheme (TLS for ``rediss``) and the
+    query's options apply to every node. A call whose connection turns out broken (the server
+    restarted) is retried once on a new connection; a call that times out is not retried.
+
+    Raises:
+        redis.RedisError, redis.exceptions.RedisClusterException: the URL is refused, or (cluster) no
+            startup node could be reached.
     """
     retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
-    if cluster or "," in url.split("://", 1)[-1]:
-        nodes = url.split("://", 1)[-1].split("/", 1)[0].split(",")
-        if len(nodes) > 1:
-            startup = [redis.cluster.ClusterNode(*_host_port(node)) for node in nodes]
-            scheme = url.split("://", 1)[0]
-            return redis.cluster.RedisCluster(startup_nodes=startup, ssl=scheme == "rediss", **options)
-        return redis.cluster.RedisCluster.from_url(url, **options)
+    first, others = _split_nodes(url)
+    if cluster or others:
+        startup = [redis.cluster.ClusterNode(*_host_port(node)) for node in others]
+        return redis.cluster.RedisCluster(url=first, startup_nodes=startup, **options)
     return redis.Redis.from_url(url, **options)
+
+
+def _split_nodes(url: str) -> tuple[str, list[str]]:
+    """``url`` naming its first node only, and the other ``host:port`` nodes it names.
+
+    ``rediss://u:p@h1:1,h2:2/0?x=y`` gives ``rediss://u:p@h1:1/0?x=y`` and ``["h2:2"]``. Everything up
+    to the last ``@`` is user information (as :func:`redact_url` reads it).
+    """
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return url, []
+    userinfo, at, location = rest.rpartition("@")
+    end = min((at_ for at_ in (location.find("/"), location.find("?")) if at_ >= 0), default=len(location))
+    nodes, tail = location[:end].split(","), location[end:]
+    return f"{scheme}://{userinfo}{at}{nodes[0]}{tail}", [node for node in nodes[1:] if node]
 
 
 def _host_port(node: str) -> tuple[str, int]:
     host, _, port = node.rpartition(":")
-    return host or "127.0.0.1", int(port or 6379)
+    return host.strip("[]") or "127.0.0.1", int(port or 6379)
