@@ -407,6 +407,26 @@ def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: 
                 victim.process.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.model
+def test_completions_go_on_when_a_cluster_node_is_lost() -> None:
+    import llama_cache
+    from llama_cache import Llama
+    from llama_cache.caches.redis_tier import _meta_key
+
+    with RedisCluster(3, args=["--cluster-require-full-coverage", "no"]) as cluster:
+        cache = LlamaRedisCache(cluster.url, timeout=0.5, chunk_tokens=16)
+        llm = Llama(model_path=str(llama_cache.default_model_path()), n_ctx=1024, verbose=False, seed=0, cache=cache)
+        prompt = llm.tokenize(b"The history of the printing press begins in the fifteenth century. " * 12)
+        first = llm.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+        assert cache.fingerprint is not None
+        metadata = raw_client(cluster).get_node_from_key(_meta_key(cache.fingerprint, "lru")).port
+        next(node for node in cluster.servers if node.port != metadata).kill()
+        for _ in range(2):
+            llm.reset()
+            again = llm.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+            assert again == first and 0 < llm.last_prompt_tokens_evaluated < len(prompt)
+
+
 def test_bad_arguments_raise() -> None:
     with pytest.raises(ValueError):
         LlamaRedisCache(timeout=0)
