@@ -78,8 +78,10 @@ from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, Cach
 from llama_cache.state.chunks import (
     ID_BYTES,
     Head,
+    Piece,
     assemble,
     chain_ids,
+    chunk_size,
     decode_chunk,
     decode_head,
     default_chunk_tokens,
@@ -101,6 +103,7 @@ logger = logging.getLogger("llama_cache.caches.redis")
 
 _MAX_VALUE = 512 << 20  # Redis's own limit on a string value
 _MAX_TOKENS = 1 << 24
+_FRAME_SLACK = 64 << 10  # room for a chunk's prefix and header in the reused store buffer
 
 # Links a new entry to its chain, drops the entry it replaces and evicts LRU entries until the unique
 # bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one slot). ARGV: key prefix,
@@ -355,6 +358,23 @@ class LlamaRedisCache(BaseLlamaCache):
             return
         self._store(value)
 
+    def touch(self, keys: Sequence[Sequence[int]]) -> None:
+        """Make the entries stored under exactly ``keys`` (in the bound namespace) the most recently
+        used, those still held; one round trip for all. For a faster tier's hits
+        (:class:`~llama_cache.caches.tiered.TieredCache`). Never raises for Redis failures.
+
+        Raises:
+            TypeError, ValueError: a key is not a sequence of token ids.
+        """
+        fingerprint = self._fingerprint
+        members = [_digest(as_token_array(key)).hex() for key in keys]
+        if fingerprint is None or not members:
+            return
+        lru, clock = _meta_key(fingerprint, "lru"), _meta_key(fingerprint, "clock")
+        self._call("touch", lambda: _pipelined(self._client, [
+            (lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
+        ]))
+
     def stats(self) -> CacheStats:
         """This instance's counters; the namespace's entries and bytes (one round trip, counted)."""
         entries = size = 0
@@ -593,31 +613,25 @@ class LlamaRedisCache(BaseLlamaCache):
             if len(longer) == ID_BYTES and longer != last.id:
                 ids[-1] = longer
                 known_ids.add(longer)
-        values: dict[bytes, memoryview] = {}
-        for piece in chain:
-            if piece.id not in known_ids and piece.id in ids:
-                values[piece.id] = encode_chunk(fingerprint, piece, layout, state.segments)[0]
-        sizes = {piece.id: values[piece.id].nbytes if piece.id in values else 0 for piece in chain}
+        new = [piece for piece in chain if piece.id not in known_ids and piece.id in ids]
         head = b"".join(encode_head(state, chunk_tokens))
-        args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids)]
         by_id = {piece.id: piece for piece in chain}
-        for ident in ids:
-            piece = by_id.get(ident)
-            if piece is not None:
-                args += [ident.hex(), sizes[ident], piece.prev.hex(), piece.tokens.astype("<i4").tobytes()]
-            else:  # an existing longer chunk: already registered, its size already counted
-                args += [ident.hex(), 0, last.prev.hex(), b""]
 
         def write() -> Any:
-            if values:
-                _pipelined(self._client, [(key, ("SET", key, value)) for key, value in
-                                          ((_chunk_key(ident), value) for ident, value in values.items())])
+            sizes = _set_chunks(self._client, fingerprint, layout, state.segments, new) if new else {}
+            args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids)]
+            for ident in ids:
+                piece = by_id.get(ident)
+                if piece is not None:
+                    args += [ident.hex(), sizes.get(ident, 0), piece.prev.hex(), piece.tokens.astype("<i4").tobytes()]
+                else:  # an existing longer chunk: already registered, its size already counted
+                    args += [ident.hex(), 0, last.prev.hex(), b""]
             keys = [_entry_key(fingerprint, tokens), *(_meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
             if self._script is None:
                 self._script = self._client.register_script(_STORE_SCRIPT)
             return self._script(keys=keys, args=args)
 
-        result = self._call("store", write, store=True, trips=2 if values else 1)
+        result = self._call("store", write, store=True, trips=2 if new else 1)
         if result is None:
             return
         over, freed, evicted = result
@@ -805,6 +819,48 @@ def _pipelined(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], *, 
     if strict and failure is not None:
         raise failure
     return replies
+
+
+def _set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Sequence[KVSegment],
+                new: Sequence[Piece]) -> dict[bytes, int]:
+    """``SET`` the chunks ``new`` (their encoded size by id), in one round trip per node.
+
+    Each chunk is encoded into one buffer reused for the next and written to its node's socket at once,
+    framed as a RESP command around it (redis-py's own packing copies every value into a new bytes
+    object first, and the chunks of a whole state would all be held at once); the replies are read
+    after the last. Memory: one chunk, whatever the state's size.
+
+    Raises:
+        redis.RedisError, redis.exceptions.RedisClusterException, OSError: a node failed (its
+            connection is dropped: replies may be left unread).
+    """
+    frame = np.empty(chunk_size(layout, max(piece.n_tokens for piece in new)) + _FRAME_SLACK, dtype=np.uint8)
+    sizes: dict[bytes, int] = {}
+    sent: dict[int, tuple[Any, Any, list[int]]] = {}  # pool id -> (pool, connection, [commands sent])
+    try:
+        for piece in new:
+            key = _chunk_key(piece.id)
+            pool = (client.get_redis_connection(client.get_node_from_key(key)) if isinstance(client, redis.cluster.RedisCluster)
+                    else client).connection_pool
+            if id(pool) not in sent:
+                sent[id(pool)] = (pool, pool.get_connection(), [0])
+            _, connection, count = sent[id(pool)]
+            value = encode_chunk(fingerprint, piece, layout, segments, into=frame)[0]
+            command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, value.nbytes)
+            connection.send_packed_command([command, value, b"\r\n"], check_health=False)
+            count[0] += 1
+            sizes[piece.id] = value.nbytes
+        for _, connection, count in sent.values():
+            for _ in range(count[0]):
+                connection.read_response()
+    except BaseException:
+        for _, connection, _ in sent.values():
+            connection.disconnect()
+        raise
+    finally:
+        for pool, connection, _ in sent.values():
+            pool.release(connection)
+    return sizes
 
 
 def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
