@@ -377,6 +377,20 @@ def test_usernames_and_passwords_in_multi_node_urls() -> None:
         assert refused.errors == 1 and "wrong" not in repr(refused)
 
 
+def test_a_rediss_url_naming_several_nodes_speaks_tls_to_each() -> None:
+    with RedisCluster(3, password="s3cret", tls=True) as cluster:
+        assert cluster.url.startswith("rediss://:s3cret@")
+        cache = LlamaRedisCache(cluster.url, 10**8, fingerprint="test", chunk_tokens=8)
+        state = make_cut_state(range(64), 64 * 400, logits=True)
+        cache[range(64)] = state  # eight chunks, spread over the nodes by id
+        found = cache[range(64)]
+        assert np.array_equal(found.seq_bytes(), state.seq_bytes()) and cache.errors == 0
+        plain = LlamaRedisCache(cluster.url.replace("rediss://", "redis://"), fingerprint="test")
+        with pytest.raises(KeyError):
+            plain[range(64)]  # the TLS ports refuse plaintext
+        assert plain.errors == 1
+
+
 @pytest.mark.parametrize("loss", ["killed", "stopped"])
 def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: str) -> None:
     from llama_cache.caches.redis_tier import _chunk_key, _meta_key

@@ -142,27 +142,39 @@ class RedisCluster:
         n: the number of primaries (at least 3, as ``redis-cli --cluster create`` requires).
         args: extra ``redis-server`` options for every node.
         password: the ``default`` user's password on every node (``--requirepass``), or None.
+        tls: clients and the cluster bus use TLS, with a certificate for 127.0.0.1 from a throwaway CA
+            (``trustme``, a test dependency); :attr:`url` is then a ``rediss://`` URL naming the TLS
+            ports and the CA. Each node keeps a plaintext port for :meth:`cli`.
         timeout: seconds to wait for the cluster to form.
 
     Raises:
         RuntimeError: a node did not start or the cluster did not become ready in time.
     """
 
-    def __init__(self, n: int = 3, args: list[str] | None = None, password: str | None = None,
+    def __init__(self, n: int = 3, args: list[str] | None = None, password: str | None = None, tls: bool = False,
                  timeout: float = 30.0) -> None:
         if n < 3:
             raise ValueError(f"a Redis cluster needs at least 3 primaries, got {n}")
         self.password = password
+        self.certificates = Path(tempfile.mkdtemp(prefix="llama-cache-redis-tls-")) if tls else None
+        self.tls_ports: list[int] = []
         auth = ["--requirepass", password, "--masterauth", password] if password is not None else []
         options = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000", *auth, *(args or [])]
         self.servers: list[RedisServer] = []
         try:
+            if self.certificates is not None:
+                options += _tls_options(self.certificates)
             for _ in range(n):
-                self.servers.append(RedisServer(_cluster_port(), options, password=password))
-            nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
+                own = []
+                if self.certificates is not None:
+                    self.tls_ports.append(_cluster_port())  # the bus listens 10000 above the TLS port then
+                    own = ["--tls-port", str(self.tls_ports[-1])]
+                self.servers.append(RedisServer(_cluster_port(), [*options, *own], password=password))
+            ports = self.tls_ports or [server.port for server in self.servers]
+            tls_cli = ["--tls", "--cacert", str(self.certificates / "ca.pem")] if self.certificates is not None else []
             subprocess.run(
-                ["redis-cli", *self.servers[0].auth_args(), "--cluster", "create", *nodes, "--cluster-replicas", "0",
-                 "--cluster-yes"],
+                ["redis-cli", *tls_cli, *self.servers[0].auth_args(), "--cluster", "create",
+                 *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "0", "--cluster-yes"],
                 check=True, capture_output=True, timeout=timeout,
             )
             self.wait_ready(timeout)
@@ -172,9 +184,14 @@ class RedisCluster:
 
     @property
     def url(self) -> str:
-        """A URL naming every node (what :class:`~llama_cache.caches.redis_tier.LlamaRedisCache` takes)."""
+        """A URL naming every node (what :class:`~llama_cache.caches.redis_tier.LlamaRedisCache` takes):
+        ``redis://[:password@]127.0.0.1:P1,127.0.0.1:P2,...``, or with TLS
+        ``rediss://...TLS ports.../0?ssl_ca_certs=CA``."""
         credentials = f":{self.password}@" if self.password is not None else ""
-        return "redis://" + credentials + ",".join(f"127.0.0.1:{server.port}" for server in self.servers)
+        nodes = ",".join(f"127.0.0.1:{port}" for port in self.tls_ports or [server.port for server in self.servers])
+        if self.certificates is not None:
+            return f"rediss://{credentials}{nodes}/0?ssl_ca_certs={self.certificates / 'ca.pem'}"
+        return f"redis://{credentials}{nodes}"
 
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Wait until every running node reports ``cluster_state:ok``.
@@ -198,8 +215,11 @@ class RedisCluster:
         self.cli("flushall")
 
     def stop(self) -> None:
+        """Stop every node and remove the directories. Idempotent."""
         for server in self.servers:
             server.stop()
+        if self.certificates is not None:
+            shutil.rmtree(self.certificates, ignore_errors=True)
 
     def __enter__(self) -> RedisCluster:
         return self
@@ -218,3 +238,17 @@ def _cluster_port() -> int:
             except OSError:
                 continue
         return port
+
+
+def _tls_options(directory: Path) -> list[str]:
+    """Write a throwaway CA and a certificate for 127.0.0.1 into ``directory``; the ``redis-server``
+    options serving clients and the cluster bus with them (clients need no certificate of their own)."""
+    import trustme
+
+    authority = trustme.CA()
+    certificate = authority.issue_cert("127.0.0.1", "localhost")
+    authority.cert_pem.write_to_path(str(directory / "ca.pem"))
+    certificate.private_key_pem.write_to_path(str(directory / "key.pem"))
+    certificate.cert_chain_pems[0].write_to_path(str(directory / "cert.pem"))
+    return ["--tls-cert-file", str(directory / "cert.pem"), "--tls-key-file", str(directory / "key.pem"),
+            "--tls-ca-cert-file", str(directory / "ca.pem"), "--tls-auth-clients", "no", "--tls-cluster", "yes"]
