@@ -169,6 +169,29 @@ def test_a_shared_prefix_is_stored_once(fresh: Deployment) -> None:
     assert 0 < added < one  # five entries cost less than the one they extend: chunks shared
 
 
+def test_a_growing_conversation_keeps_one_tail_per_branch(fresh: Deployment) -> None:
+    # Each turn's partial last chunk stayed beside the longer one of the next turn (~5% of the memory).
+    cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
+    full = make_cut_state(range(30), 30 * 400, logits=True)
+    turns = [LlamaState(full.tokens[:n], full.logits, 0, "test", layout=full.layout, segments=full.prefix(n, None).segments)
+             for n in (11, 14, 16, 21)]  # tails of 3 and 6 tokens, a full chunk, then a tail of 5
+    for turn in turns:
+        cache[turn.tokens] = turn
+    last = turns[-1]
+    chunks = sum(encode_chunk("test", piece, last.layout, last.segments)[0].nbytes for piece in pieces("test", last.tokens, 8))
+    heads = sum(sum(part.nbytes for part in encode_head(turn, 8)) for turn in turns)
+    assert cache.cache_size == chunks + heads  # every chunk once: no tail left behind
+    assert len(_chunk_keys(fresh)) == 3
+    for turn in turns:
+        found = cache[turn.tokens]
+        assert found.n_tokens == turn.n_tokens and found.logits is not None
+        assert np.array_equal(found.seq_bytes(), turn.seq_bytes())
+    cache[range(100, 111)] = make_cut_state(range(100, 111), 11 * 400)  # another branch keeps its own tail
+    assert len(_chunk_keys(fresh)) == 5
+    cache.clear()
+    assert cache.cache_size == 0 and _chunk_keys(fresh) == []
+
+
 def test_lookups_take_two_round_trips_whatever_the_number_of_entries(fresh: Deployment) -> None:
     cache = LlamaRedisCache(fresh.url, 10**9, fingerprint="test", chunk_tokens=8)
     trips = []

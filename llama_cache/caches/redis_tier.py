@@ -104,16 +104,23 @@ logger = logging.getLogger("llama_cache.caches.redis")
 _MAX_VALUE = 512 << 20  # Redis's own limit on a string value
 _MAX_TOKENS = 1 << 24
 _FRAME_SLACK = 64 << 10  # room for a chunk's prefix and header in the reused store buffer
+_RESP_ROOM = 128  # room for a SET command's RESP header before a chunk in that buffer
+_CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
 
-# Links a new entry to its chain, drops the entry it replaces and evicts LRU entries until the unique
-# bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one slot). ARGV: key prefix,
-# entry member, head, capacity, chain length, then per chunk: id hex, size, prev hex, tokens.
-# Returns 1 when the entry itself did not fit (it is then dropped), the ids of the chunks freed and the
-# number of entries evicted.
+# Links a new entry to its chain, drops the entry it replaces, absorbs partial tails and evicts LRU
+# entries until the unique bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one
+# slot). ARGV: key prefix, entry member, head, capacity, chain length, chunk length, then per chunk: id
+# hex, size, prev hex, tokens. Returns 1 when the entry itself did not fit (it is then dropped), the ids
+# of the chunks freed and the number of entries evicted.
+#
+# A partial chunk (fewer tokens than the chunk length: always a chain's last) records the entries ending
+# on it in the set `u:<id>`. When a new chunk with the same predecessor extends its tokens (the next
+# turn of a conversation), it is *absorbed*: those entries' chains end on the new chunk instead (it holds
+# the same KV for those positions; a lookup uses the part it needs) and it is freed.
 _STORE_SCRIPT = """
 local entry, lru, refs, info, bytes, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local prefix, member, head = ARGV[1], ARGV[2], ARGV[3]
-local capacity, n = tonumber(ARGV[4]), tonumber(ARGV[5])
+local capacity, n, chunk_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local freed = {}
 local function release(id)
   if redis.call('HINCRBY', refs, id, -1) <= 0 then
@@ -143,16 +150,18 @@ local function drop(m)
   local record = redis.call('HMGET', key, 'chain', 'size')
   if record[1] then
     local chain = record[1]
+    if #chain >= 32 then redis.call('SREM', prefix .. 'u:' .. string.sub(chain, -32), m) end
     for at = 1, #chain, 32 do release(string.sub(chain, at, at + 31)) end
     redis.call('DECRBY', bytes, tonumber(record[2] or '0'))
   end
   redis.call('DEL', key)
   redis.call('ZREM', lru, m)
 end
-local ids = {}
+local ids, new = {}, {}
 for i = 0, n - 1 do
-  local id, size, prev, tokens = ARGV[6 + 4 * i], ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i]
+  local id, size, prev, tokens = ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i], ARGV[10 + 4 * i]
   if redis.call('HINCRBY', refs, id, 1) == 1 then
+    new[#new + 1] = {id, prev, tokens}
     redis.call('HSET', info, id, size .. ':' .. prev)
     redis.call('HSET', prefix .. 't:' .. prev, id, tokens)
     -- Every prefix of its tokens names it (unless another chunk holding that prefix already does):
@@ -169,6 +178,37 @@ drop(member)
 redis.call('HSET', entry, 'head', head, 'chain', table.concat(ids), 'size', #head)
 redis.call('INCRBY', bytes, #head)
 redis.call('ZADD', lru, redis.call('INCR', clock), member)
+local function partial(id, prev)
+  local tokens = redis.call('HGET', prefix .. 't:' .. prev, id)
+  return tokens and #tokens < 4 * chunk_tokens
+end
+local last = ids[#ids]
+if last and partial(last, n > 1 and ids[n - 1] or '') then redis.call('SADD', prefix .. 'u:' .. last, member) end
+for _, chunk in ipairs(new) do
+  local id, prev, tokens = chunk[1], chunk[2], chunk[3]
+  local extends = partial(id, prev)
+  local absorbed = false
+  for at = 4, #tokens - 4, 4 do
+    local shorter = redis.call('HGET', prefix .. 'p:' .. prev, string.sub(tokens, 1, at))
+    if shorter and shorter ~= id and #(redis.call('HGET', prefix .. 't:' .. prev, shorter) or '') == at then
+      for _, m in ipairs(redis.call('SMEMBERS', prefix .. 'u:' .. shorter)) do
+        local key = prefix .. 'e:' .. m
+        local chain = redis.call('HGET', key, 'chain')
+        if chain and string.sub(chain, -32) == shorter then
+          redis.call('HSET', key, 'chain', string.sub(chain, 1, -33) .. id)
+          redis.call('HINCRBY', refs, id, 1)
+          if extends then redis.call('SADD', prefix .. 'u:' .. id, m) end
+          release(shorter)
+        end
+      end
+      redis.call('DEL', prefix .. 'u:' .. shorter)
+      absorbed = true
+    end
+  end
+  if absorbed then
+    for at = 4, #tokens, 4 do redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id) end
+  end
+end
 -- An entry larger than the whole capacity evicts nothing: it is dropped at once.
 local own = #head
 for _, id in ipairs(ids) do
@@ -619,7 +659,8 @@ class LlamaRedisCache(BaseLlamaCache):
 
         def write() -> Any:
             sizes = _set_chunks(self._client, fingerprint, layout, state.segments, new) if new else {}
-            args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids)]
+            args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids),
+                               chunk_tokens]
             for ident in ids:
                 piece = by_id.get(ident)
                 if piece is not None:
@@ -825,16 +866,16 @@ def _set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Seque
                 new: Sequence[Piece]) -> dict[bytes, int]:
     """``SET`` the chunks ``new`` (their encoded size by id), in one round trip per node.
 
-    Each chunk is encoded into one buffer reused for the next and written to its node's socket at once,
-    framed as a RESP command around it (redis-py's own packing copies every value into a new bytes
-    object first, and the chunks of a whole state would all be held at once); the replies are read
-    after the last. Memory: one chunk, whatever the state's size.
+    Each chunk is encoded into one buffer reused for the next, framed there as a RESP ``SET`` command
+    and written to its node's socket at once, in one write (redis-py's own packing copies every value
+    into a new bytes object first, and the chunks of a whole state would all be held at once); the
+    replies are read after the last. Memory: one chunk, whatever the state's size.
 
     Raises:
         redis.RedisError, redis.exceptions.RedisClusterException, OSError: a node failed (its
             connection is dropped: replies may be left unread).
     """
-    frame = np.empty(chunk_size(layout, max(piece.n_tokens for piece in new)) + _FRAME_SLACK, dtype=np.uint8)
+    frame = np.empty(_RESP_ROOM + chunk_size(layout, max(piece.n_tokens for piece in new)) + _FRAME_SLACK, dtype=np.uint8)
     sizes: dict[bytes, int] = {}
     sent: dict[int, tuple[Any, Any, list[int]]] = {}  # pool id -> (pool, connection, [commands sent])
     try:
@@ -845,11 +886,16 @@ def _set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Seque
             if id(pool) not in sent:
                 sent[id(pool)] = (pool, pool.get_connection(), [0])
             _, connection, count = sent[id(pool)]
-            value = encode_chunk(fingerprint, piece, layout, segments, into=frame)[0]
-            command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, value.nbytes)
-            connection.send_packed_command([command, value, b"\r\n"], check_health=False)
+            # The value is encoded after room for the command's RESP header, which is then written
+            # right before it, and the closing CRLF after it: one buffer, one write per chunk.
+            size = encode_chunk(fingerprint, piece, layout, segments, into=frame[_RESP_ROOM:-2])[0].nbytes
+            command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size)
+            start, end = _RESP_ROOM - len(command), _RESP_ROOM + size
+            frame[start:_RESP_ROOM] = np.frombuffer(command, dtype=np.uint8)
+            frame[end : end + 2] = _CRLF
+            connection.send_packed_command([memoryview(frame)[start : end + 2]], check_health=False)
             count[0] += 1
-            sizes[piece.id] = value.nbytes
+            sizes[piece.id] = size
         for _, connection, count in sent.values():
             for _ in range(count[0]):
                 connection.read_response()
@@ -898,6 +944,7 @@ def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
                     client.hdel(prefix + "p:" + parent, tokens[:at])
             client.hdel(prefix + "info", ident)
             client.hdel(prefix + "t:" + parent, ident)
+            client.delete(prefix + "u:" + ident.decode(errors="replace"))
             removed += client.delete(b"llc:c:" + ident)
         elif size.isdigit():
             sizes[ident] = int(size)
