@@ -11,6 +11,7 @@ ten machines is stored once.
     llc:{ns}:e:<key digest hex>        hash: head (tokens, logits, seed, layout), chain (ids), size
     llc:{ns}:lru                       sorted set of entry digests by last use
     llc:{ns}:refs / llc:{ns}:info      hashes: chunk id -> links; chunk id -> "size:prev"
+    llc:{ns}:u:<chunk id hex>          set: the entries whose chain ends on this partial chunk
     llc:{ns}:bytes, llc:{ns}:clock     unique bytes held; the LRU clock
     llc:{ns}:meta                      hash: layout, chunk_tokens, seed of the namespace
 
@@ -27,10 +28,12 @@ checked (checksum, id recomputed from its tokens, position, layout) before use: 
 (evicted by Redis itself, or freed meanwhile) or damaged makes a shorter hit or a miss, never a
 wrong state. ``stats().round_trips`` counts round trips.
 
-**Stores** write the chunks the metadata does not know yet (pipelined ``SET``), then run one script
-that links the entry to its chain, counts references, and evicts least recently used entries until the
-unique bytes fit ``capacity_bytes``, freeing chunks with their last reference; the client then deletes
-the freed chunks' keys. A client dying between those steps leaves orphan chunks (or, rarely, a chunk
+**Stores** write the chunks the metadata does not know yet (pipelined ``SET``, each chunk framed as its
+command in one reused buffer), then run one script that links the entry to its chain, counts
+references, absorbs partial tails (a chunk extending a partial chunk after the same predecessor takes
+over the entries ending on it, as the disk tier does: a growing conversation keeps one tail per branch)
+and evicts least recently used entries until the unique bytes fit ``capacity_bytes``, freeing chunks
+with their last reference; the client then deletes the freed chunks' keys. A client dying between those steps leaves orphan chunks (or, rarely, a chunk
 freed by one client just as another relinked it: a shorter hit); :meth:`LlamaRedisCache.sweep` collects
 both. Redis may also evict keys on its own (``maxmemory`` with an LRU policy): lookups then see shorter
 chains or misses, and ``sweep`` repairs the accounting.
