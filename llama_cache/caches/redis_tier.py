@@ -44,7 +44,8 @@ once per outage (at WARNING) and counted in ``stats().store_errors`` and :attr:`
 reconnects by itself on the next call. Nothing raises out of a lookup or a store. ``rediss://`` URLs,
 passwords and usernames pass through to redis-py, for every node of a multi-node URL too; the password
 never reaches a log line or ``repr`` (:func:`redact_url`, and redis-py's error messages are scrubbed of
-it before they are logged). A cluster client is made on first use, not in the constructor.
+it before they are logged). A cluster client is made on first use, not in the constructor. URLs, the
+client and per-node pipelines live in :mod:`llama_cache.caches.redis_client`.
 
 **A lost cluster node** (killed, or not answering): each node is asked for its own keys, so the chunks it
 held are misses (a shorter hit) while the other nodes answer, each lookup waiting at most ``timeout``
@@ -64,20 +65,17 @@ import hashlib
 import json
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import unquote
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 import redis
 import redis.cluster
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
+from llama_cache.caches.redis_client import connect, pipelined, redact_url, url_secrets
 from llama_cache.state.chunks import (
     ID_BYTES,
     Head,
@@ -302,7 +300,7 @@ class LlamaRedisCache(BaseLlamaCache):
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, got {type(url).__name__}")
         self.url = url
-        self._secrets = _url_secrets(url)
+        self._secrets = url_secrets(url)
         self.timeout = float(timeout)
         self.chunk_tokens = chunk_tokens
         self.verify = bool(verify)
@@ -414,7 +412,7 @@ class LlamaRedisCache(BaseLlamaCache):
         if fingerprint is None or not members:
             return
         lru, clock = _meta_key(fingerprint, "lru"), _meta_key(fingerprint, "clock")
-        self._call("touch", lambda: _pipelined(self._client, [
+        self._call("touch", lambda: pipelined(self._client, [
             (lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
         ]))
 
@@ -496,7 +494,7 @@ class LlamaRedisCache(BaseLlamaCache):
             commands.append((field, ("HGET", field, blob[4 * k * size : 4 * (k + 1) * size])))
             prev = ident
         commands += _ask_children(fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
-        reply = self._call("lookup", lambda: _pipelined(self._client, commands))
+        reply = self._call("lookup", lambda: pipelined(self._client, commands))
         if reply is None:
             return None
         meta, exact, *found = reply
@@ -517,7 +515,7 @@ class LlamaRedisCache(BaseLlamaCache):
             prev = ids[unbroken - 1] if unbroken else b""
             rest = blob[4 * unbroken * chunk_tokens :]
             asked = _ask_children(fingerprint, prev, rest, chunk_tokens)
-            children = self._call("lookup", lambda: _pipelined(self._client, asked)[0])
+            children = self._call("lookup", lambda: pipelined(self._client, asked)[0])
         return _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
 
     def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
@@ -533,7 +531,7 @@ class LlamaRedisCache(BaseLlamaCache):
             # cluster's pipelines, and a refused call here made every exact hit a miss.
             commands.append((lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, _digest(query).hex())))
 
-        replies = self._call("fetch", lambda: _pipelined(self._client, commands, strict=False))
+        replies = self._call("fetch", lambda: pipelined(self._client, commands, strict=False))
         if replies is None:
             return None
         values = replies[: len(keys)]
@@ -634,7 +632,7 @@ class LlamaRedisCache(BaseLlamaCache):
             (prefixes, ("HGET", prefixes, chain[-1].tokens.astype("<i4").tobytes())),
             (meta, ("HMGET", meta, "layout", "chunk_tokens")),
         ]
-        reply = self._call("store", lambda: _pipelined(self._client, asked), store=True)
+        reply = self._call("store", lambda: pipelined(self._client, asked), store=True)
         if reply is None:
             return
         recorded = reply.pop()
@@ -721,7 +719,7 @@ class LlamaRedisCache(BaseLlamaCache):
         if client is None:
             with self._lock:
                 if self._connected is None:
-                    self._connected = _connect(self.url, self.timeout, self._cluster)
+                    self._connected = connect(self.url, self.timeout, self._cluster)
                 client = self._connected
         return client
 
@@ -818,51 +816,6 @@ def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], chil
         except CorruptStateError:
             head = None
     return _Plan(fingerprint, chunks, position, layout, chunk_tokens, head.seed if head is not None else seed, head)
-
-
-def _pipelined(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], *, strict: bool = True) -> list[Any]:
-    """The replies to ``commands`` (each ``(its key, its arguments)``), in one round trip per node.
-
-    On a cluster each node is sent its own commands in one pipeline of its own (not redis-py's cluster
-    pipeline, which retries a failing node's commands one by one and rebuilds its slot table: seconds
-    for a node that stopped answering). A node that fails (lost, timing out, refusing) gives its
-    commands' replies as the exception, at the cost of one ``timeout`` at most; a reply that says a slot
-    moved refreshes the slot table for the next call. ``strict``: raise the first failure instead.
-
-    Raises:
-        redis.RedisError, redis.exceptions.RedisClusterException, OSError: a failure (one server; or
-            with ``strict``).
-    """
-    if not isinstance(client, redis.cluster.RedisCluster):
-        pipe = client.pipeline(transaction=False)
-        for _, args in commands:
-            pipe.execute_command(*args)
-        return list(pipe.execute())
-    replies: list[Any] = [None] * len(commands)
-    by_node: dict[str, tuple[Any, list[int]]] = {}
-    for at, (key, _) in enumerate(commands):
-        try:
-            node = client.get_node_from_key(key)
-        except redis.exceptions.RedisClusterException as error:  # its slot is covered by no node
-            replies[at] = error
-            continue
-        by_node.setdefault(node.name, (node, []))[1].append(at)
-    for node, positions in by_node.values():
-        pipe = client.get_redis_connection(node).pipeline(transaction=False)
-        for at in positions:
-            pipe.execute_command(*commands[at][1])
-        try:
-            answers = pipe.execute(raise_on_error=False)
-        except (redis.RedisError, OSError) as error:
-            answers = [error] * len(positions)
-        for at, answer in zip(positions, answers):
-            replies[at] = answer
-    if any(isinstance(reply, (redis.exceptions.MovedError, redis.exceptions.AskError)) for reply in replies):
-        client.nodes_manager.initialize()
-    failure = next((reply for reply in replies if isinstance(reply, Exception)), None)
-    if strict and failure is not None:
-        raise failure
-    return replies
 
 
 def _set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Sequence[KVSegment],
@@ -1013,77 +966,3 @@ def _digest(tokens: npt.NDArray[np.int32]) -> bytes:
 
 def _entry_key(fingerprint: str, tokens: npt.NDArray[np.int32]) -> str:
     return _prefix(fingerprint) + "e:" + _digest(tokens).hex()
-
-
-_PASSWORD_ARGUMENT = re.compile(r"([?&]password=)([^&#]*)", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit for a log line: its password, and any ``password=`` query argument, as ``***``.
-
-    ``redis://user:secret@host:6379/0`` becomes ``redis://user:***@host:6379/0`` and
-    ``redis://:secret@host:6379`` ``redis://:***@host:6379``. User information without a colon
-    (``redis://secret@host``, often meant as a password) is replaced whole. Everything up to the last
-    ``@`` counts as user information, so an ``@`` inside an unescaped password is covered too. A URL
-    without credentials is returned unchanged.
-    """
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        scheme, rest = "", url
-    userinfo, at, location = rest.rpartition("@")
-    if at:
-        user, colon, _ = userinfo.partition(":")
-        rest = f"{user}:***@{location}" if colon else f"***@{location}"
-    return scheme + separator + _PASSWORD_ARGUMENT.sub(r"\1***", rest)
-
-
-def _url_secrets(url: str) -> list[str]:
-    """What :func:`redact_url` hides, as written and percent-decoded, longest first: to scrub messages."""
-    rest = url.partition("://")[2] or url
-    userinfo, at, _ = rest.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    secrets = [password if colon else user] if at else []
-    secrets += [match.group(2) for match in _PASSWORD_ARGUMENT.finditer(rest)]
-    found = {text for secret in secrets for text in (secret, unquote(secret)) if text}
-    return sorted(found, key=len, reverse=True)
-
-
-def _connect(url: str, timeout: float, cluster: bool) -> Any:
-    """A redis-py client for ``url`` with every call bounded by ``timeout``.
-
-    A URL naming several nodes (``redis[s]://[[user]:password@]host:port,host:port,.../0?options``) or
-    ``cluster=True`` gives a cluster client: the credentials, the scheme (TLS for ``rediss``) and the
-    query's options apply to every node. A call whose connection turns out broken (the server
-    restarted) is retried once on a new connection; a call that times out is not retried.
-
-    Raises:
-        redis.RedisError, redis.exceptions.RedisClusterException: the URL is refused, or (cluster) no
-            startup node could be reached.
-    """
-    retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
-    options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
-    first, others = _split_nodes(url)
-    if cluster or others:
-        startup = [redis.cluster.ClusterNode(*_host_port(node)) for node in others]
-        return redis.cluster.RedisCluster(url=first, startup_nodes=startup, **options)
-    return redis.Redis.from_url(url, **options)
-
-
-def _split_nodes(url: str) -> tuple[str, list[str]]:
-    """``url`` naming its first node only, and the other ``host:port`` nodes it names.
-
-    ``rediss://u:p@h1:1,h2:2/0?x=y`` gives ``rediss://u:p@h1:1/0?x=y`` and ``["h2:2"]``. Everything up
-    to the last ``@`` is user information (as :func:`redact_url` reads it).
-    """
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        return url, []
-    userinfo, at, location = rest.rpartition("@")
-    end = min((at_ for at_ in (location.find("/"), location.find("?")) if at_ >= 0), default=len(location))
-    nodes, tail = location[:end].split(","), location[end:]
-    return f"{scheme}://{userinfo}{at}{nodes[0]}{tail}", [node for node in nodes[1:] if node]
-
-
-def _host_port(node: str) -> tuple[str, int]:
-    host, _, port = node.rpartition(":")
-    return host.strip("[]") or "127.0.0.1", int(port or 6379)
