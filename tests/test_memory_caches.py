@@ -126,3 +126,41 @@ def test_peek_reads_an_exact_key_without_touching_recency() -> None:
     assert cache.peek([1, 2]) is None
     assert cache[[1, 2, 9]] is second  # still the most recently used
     assert cache.stats().hits == 1
+
+
+@pytest.mark.parametrize("kind", [LlamaRAMCache, LlamaTrieCache])
+def test_two_models_states_under_equal_keys_are_two_entries(kind: type) -> None:
+    from tests.test_disk_cache import make_cut_state
+
+    # One model's state under a key replaced the other's: a shared cache served each model half the time.
+    cache = kind(capacity_bytes=10**7)
+    cache[[1, 2, 3]] = make_cut_state([1, 2, 3], 600, fingerprint="model-a")
+    cache[[1, 2, 3]] = make_cut_state([1, 2, 3], 900, fingerprint="model-b")
+    cache[[9]] = make_cut_state([9], 300, fingerprint="model-b")
+    assert len(cache) == 3
+    assert cache[[1, 2, 3, 4]].fingerprint == "model-b"  # unbound: the best of every model, ties to the latest
+    cache.bind("model-a")
+    assert cache.fingerprint == "model-a"
+    assert cache[[1, 2, 3, 4]].fingerprint == "model-a" and cache.match_length([1, 2, 3, 4]) == 3
+    assert [9] not in cache and list(cache.keys()) == [(1, 2, 3)]
+    with pytest.raises(KeyError):
+        cache[[9]]
+    cache.bind("model-b")
+    assert cache[[1, 2, 3, 4]].fingerprint == "model-b" and cache[[9]].fingerprint == "model-b"
+    del cache[[1, 2, 3]]  # the bound model's entry only
+    cache.bind(None)
+    assert cache[[1, 2, 3]].fingerprint == "model-a" and len(cache) == 2
+    assert cache.cache_size == sum(size for state in (cache[[1, 2, 3]], cache[[9]])
+                                   for _, size in memory_blocks(state))
+
+
+def test_states_without_a_fingerprint_are_filed_under_the_bound_model() -> None:
+    cache = LlamaRAMCache(capacity_bytes=10**7, fingerprint="model-a")
+    cache[[1, 2, 3]] = _upstream_state(n_ctx=8, n_vocab=10, state_bytes=64)
+    assert [1, 2, 3] in cache
+    cache.bind("model-b")
+    assert [1, 2, 3] not in cache
+    with pytest.raises(TypeError):
+        cache.bind(3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        LlamaRAMCache(fingerprint="")

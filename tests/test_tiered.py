@@ -18,6 +18,7 @@ import pytest
 from llama_cache import BaseLlamaCache, CacheStats, LlamaDiskCache, LlamaRAMCache, LlamaTrieCache, TieredCache
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.memory import memory_blocks
+from llama_cache.testing.redis_server import RedisServer, redis_available
 from tests.cache_contract import CacheContract
 from tests.test_disk_cache import disk_size, make_cut_state
 from tests.test_disk_cache import PLAIN_PROMPT, plain_cold_answer
@@ -531,3 +532,25 @@ def test_write_through_stores_in_every_tier_before_returning() -> None:
         assert len(slow) == 1 and slow.match_length(key) == len(key)  # there already: no flush
     finally:
         tiered.close()
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+def test_hits_served_by_a_faster_tier_keep_entries_recent_in_slower_ones() -> None:
+    from llama_cache import LlamaRedisCache
+    from tests.test_redis import redis_size
+
+    with RedisServer() as server:
+        first, second, third = (make_cut_state(tokens, 3000) for tokens in ([1, 2, 3], [4, 5, 6], [7, 8, 9]))
+        shared = LlamaRedisCache(server.url, 2 * redis_size(first) + redis_size(first) // 2, fingerprint="test")
+        cache = TieredCache([LlamaRAMCache(10**8), shared])
+        for state in (first, second):
+            cache[state.tokens] = state
+            cache.flush()
+        for _ in range(3):
+            assert tokens_of(cache[[1, 2, 3]]) == (1, 2, 3)
+        cache.flush()  # the writer passes the hits on
+        assert cache.tiers[0].stats().hits == 3 and shared.stats().hits == 0  # RAM answered
+        cache[third.tokens] = third
+        cache.flush()
+        # Redis evicted its least recently used entry: the one nobody asked for, not the one RAM serves.
+        assert [1, 2, 3] in shared and [4, 5, 6] not in shared and [7, 8, 9] in shared

@@ -1,17 +1,26 @@
 """In-process caches: a radix index for lookups, an LRU list for eviction, refcounted byte accounting.
 
 The RAM and trie caches differ only in which stored key answers a query; everything else (storage,
-recency, the byte budget, statistics, locking) lives here.
+namespaces, recency, the byte budget, statistics, locking) lives here.
+
+**Namespaces**, as the disk tier has them: a state is filed under its model fingerprint (a
+llama-cpp-python state, which has none, under the bound one, or :data:`UNBOUND_NAMESPACE`), one radix
+index per namespace, so two models' states under equal keys are two entries, never one replacing the
+other. A bound cache (:meth:`IndexedMemoryCache.bind`; ``llama_cache.Llama.set_cache`` binds an unbound
+cache to its model) answers from its namespace only; an unbound one from every namespace (the best
+match over them, ties to the most recently used). One budget and one LRU list cover all namespaces.
 """
 
 from __future__ import annotations
 
 import logging
 from abc import abstractmethod
+from collections.abc import Mapping
 from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Sequence
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
@@ -23,21 +32,29 @@ from llama_cache.caches.base import (
     memory_blocks,
 )
 from llama_cache.index import Match, RadixIndex
+from llama_cache.state.fingerprint import model_fingerprint
 from llama_cache.state.values import filing_key, holds_same_state
 from llama_cache.tokens import as_token_array
 
 logger = logging.getLogger(__name__)
 
+UNBOUND_NAMESPACE = "llama-cpp-python"
+"""The namespace of states without a fingerprint stored into an unbound cache (the disk tier's too)."""
+
 
 class _Entry:
-    """One stored state: its key, the value, and the memory blocks charged for it."""
+    """One stored state: its namespace and key, the value, the memory blocks charged for it, and when it
+    was last used (a tick of the cache's clock, to break ties between namespaces)."""
 
-    __slots__ = ("key", "value", "blocks")
+    __slots__ = ("namespace", "key", "value", "blocks", "used")
 
-    def __init__(self, key: npt.NDArray[np.int32], value: Any, blocks: list[MemoryBlock]) -> None:
+    def __init__(self, namespace: str, key: npt.NDArray[np.int32], value: Any, blocks: list[MemoryBlock],
+                 used: int) -> None:
+        self.namespace = namespace
         self.key = key
         self.value = value
         self.blocks = blocks
+        self.used = used
 
 
 class IndexedMemoryCache(BaseLlamaCache):
@@ -52,24 +69,87 @@ class IndexedMemoryCache(BaseLlamaCache):
     Values are stored by reference, never copied: the caller must not mutate a state after storing it.
     All methods are thread-safe (one re-entrant lock per cache).
 
+    States are filed by model fingerprint (see the module docstring): lookups search the bound
+    namespace, or every namespace when unbound (O(K) per namespace).
+
     Args:
         capacity_bytes: the byte budget (default 2 GiB); a positive int.
         verbose: accepted for compatibility with llama-cpp-python; diagnostics go to the
             ``llama_cache`` logger, never to stdout or stderr.
+        fingerprint: answer lookups only from states of this model fingerprint (see :meth:`bind`).
+
+    Raises:
+        TypeError, ValueError: a bad capacity or fingerprint.
     """
 
-    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, verbose: bool = False) -> None:
+    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, verbose: bool = False, *,
+                 fingerprint: str | None = None) -> None:
         super().__init__(capacity_bytes)
         self.verbose = verbose
-        self._index: RadixIndex[_Entry] = RadixIndex()
+        self._namespace = _checked(fingerprint)
+        self._indexes: dict[str, RadixIndex[_Entry]] = {}  # namespace -> its keys
+        self._clock = 0
         self._lru: OrderedDict[_Entry, None] = OrderedDict()
         self._blocks: dict[Hashable, list[int]] = {}  # identity -> [holders, nbytes]
         self._size = 0
         self._hits = self._misses = self._evictions = self._rejected = self._writes = self._store_errors = 0
 
     @abstractmethod
-    def _match(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
-        """Return the stored key answering ``query`` under this cache's policy, or None."""
+    def _match(self, index: RadixIndex[_Entry], query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
+        """Return the key of ``index`` answering ``query`` under this cache's policy, or None."""
+
+    # ------------------------------------------------------------------------------ namespaces
+
+    @property
+    def fingerprint(self) -> str | None:
+        """The namespace lookups are answered from, or None for every namespace."""
+        return self._namespace
+
+    def bind(self, fingerprint: str | llama_cpp.Llama | None, *, model_info: Mapping[str, str] | None = None) -> None:
+        """Answer lookups only from states made by the model with this fingerprint (None: any).
+
+        Stores of llama-cache states are unaffected (a state is filed under its own fingerprint);
+        states without one are filed under the bound fingerprint. ``model_info`` is accepted for the
+        disk tier's signature and not kept.
+
+        Args:
+            fingerprint: a model fingerprint, or a loaded ``llama_cpp.Llama`` (its
+                :func:`~llama_cache.state.fingerprint.model_fingerprint`), or None.
+
+        Raises:
+            TypeError, ValueError: a bad fingerprint.
+        """
+        if isinstance(fingerprint, llama_cpp.Llama):
+            own = getattr(fingerprint, "fingerprint", None)
+            fingerprint = own if isinstance(own, str) and own else model_fingerprint(fingerprint)
+        namespace = _checked(fingerprint)
+        with self._lock:
+            self._namespace = namespace
+
+    def _filed_under(self, value: Any) -> str:
+        own = getattr(value, "fingerprint", None)
+        if isinstance(own, str) and own:
+            return own
+        return self._namespace if self._namespace is not None else UNBOUND_NAMESPACE
+
+    def _best(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
+        """The answer to ``query`` from the bound namespace, or the best over all (ties: most recently
+        used). Lock held."""
+        if self._namespace is not None:
+            index = self._indexes.get(self._namespace)
+            return None if index is None else self._match(index, query)
+        matches = [match for index in self._indexes.values() if (match := self._match(index, query)) is not None]
+        return max(matches, key=lambda match: (match.common, match.value.used), default=None)
+
+    def _exact(self, tokens: npt.NDArray[np.int32]) -> list[_Entry]:
+        """The entries stored under exactly ``tokens`` in the bound namespace (in all when unbound)."""
+        namespaces = list(self._indexes) if self._namespace is None else [self._namespace]
+        return [entry for name in namespaces if name in self._indexes
+                and (entry := self._indexes[name].get(tokens)) is not None]
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     @property
     def cache_size(self) -> int:
@@ -88,21 +168,22 @@ class IndexedMemoryCache(BaseLlamaCache):
         """
         query = as_token_array(key)
         with self._lock:
-            match = self._match(query)
+            match = self._best(query)
             if match is None:
                 self._misses += 1
                 raise KeyError("no cached prefix for this key")
             self._hits += 1
             entry = match.value
+            entry.used = self._tick()
             self._lru.move_to_end(entry)
-            self._index.touch_match(match)
+            self._indexes[entry.namespace].touch_match(match)
             return entry.value
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
         """Whether ``cache[key]`` would return a state; changes neither recency nor counters."""
         query = as_token_array(key)
         with self._lock:
-            return self._match(query) is not None
+            return self._best(query) is not None
 
     def match_length(self, key: Sequence[int]) -> int:
         """Leading tokens of ``key`` shared with the key of the entry ``cache[key]`` would return; 0 on
@@ -114,7 +195,7 @@ class IndexedMemoryCache(BaseLlamaCache):
         """
         query = as_token_array(key)
         with self._lock:
-            match = self._match(query)
+            match = self._best(query)
             return 0 if match is None else match.common
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
@@ -147,10 +228,13 @@ class IndexedMemoryCache(BaseLlamaCache):
             return
         total = sum(size for _, size in blocks)
         with self._lock:
-            previous = self._index.get(tokens)
+            namespace = self._filed_under(value)
+            index = self._indexes.get(namespace)
+            previous = None if index is None else index.get(tokens)
             if previous is not None and holds_same_state(previous.value, value):
+                previous.used = self._tick()
                 self._lru.move_to_end(previous)
-                self._index.touch(tokens)
+                self._indexes[namespace].touch(tokens)
                 return
             if previous is not None:
                 self._drop(previous)
@@ -162,9 +246,9 @@ class IndexedMemoryCache(BaseLlamaCache):
                     self.capacity_bytes,
                 )
                 return
-            entry = _Entry(tokens, value, blocks)
+            entry = _Entry(namespace, tokens, value, blocks, self._tick())
             self._charge(blocks)
-            self._index.insert(tokens, entry)
+            self._indexes.setdefault(namespace, RadixIndex()).insert(tokens, entry)
             self._lru[entry] = None
             self._writes += 1
             while self._size > self.capacity_bytes:
@@ -173,35 +257,38 @@ class IndexedMemoryCache(BaseLlamaCache):
                 self._evictions += 1
 
     def peek(self, key: Sequence[int]) -> Any | None:
-        """The state stored under exactly ``key``, or None; changes neither recency nor counters."""
+        """The state stored under exactly ``key`` (in the bound namespace; when unbound, the most
+        recently used of the namespaces'), or None; changes neither recency nor counters."""
         tokens = as_token_array(key)
         with self._lock:
-            entry = self._index.get(tokens)
-            return None if entry is None else entry.value
+            found = self._exact(tokens)
+            return max(found, key=lambda entry: entry.used).value if found else None
 
     def __delitem__(self, key: Sequence[int]) -> None:
-        """Remove the state stored under exactly ``key``.
+        """Remove the states stored under exactly ``key`` (in the bound namespace, or in all).
 
         Raises:
             KeyError: nothing is stored under exactly ``key``.
         """
         tokens = as_token_array(key)
         with self._lock:
-            entry = self._index.get(tokens)
-            if entry is None:
+            found = self._exact(tokens)
+            if not found:
                 raise KeyError("no state stored under exactly this key")
-            self._drop(entry)
+            for entry in found:
+                self._drop(entry)
 
     def keys(self) -> Iterator[tuple[int, ...]]:
-        """Stored keys, least recently used first (a snapshot)."""
+        """Stored keys of the bound namespace (all when unbound), least recently used first (a snapshot)."""
         with self._lock:
-            snapshot = [tuple(entry.key.tolist()) for entry in self._lru]
+            snapshot = [tuple(entry.key.tolist()) for entry in self._lru
+                        if self._namespace in (None, entry.namespace)]
         return iter(snapshot)
 
     def clear(self) -> None:
-        """Remove every entry. Counters other than the entry and byte counts are kept."""
+        """Remove every entry (all namespaces). Counters other than the entry and byte counts are kept."""
         with self._lock:
-            self._index.clear()
+            self._indexes.clear()
             self._lru.clear()
             self._blocks.clear()
             self._size = 0
@@ -223,7 +310,7 @@ class IndexedMemoryCache(BaseLlamaCache):
     def index_nbytes(self) -> int:
         """Memory held by the lookup structures (radix index and stored keys), not by the states."""
         with self._lock:
-            return self._index.nbytes() + sum(entry.key.nbytes for entry in self._lru)
+            return sum(index.nbytes() for index in self._indexes.values()) + sum(entry.key.nbytes for entry in self._lru)
 
     def _charge(self, blocks: list[MemoryBlock]) -> None:
         for identity, size in blocks:
@@ -235,7 +322,10 @@ class IndexedMemoryCache(BaseLlamaCache):
                 holders[0] += 1
 
     def _drop(self, entry: _Entry) -> None:
-        self._index.remove(entry.key)
+        index = self._indexes[entry.namespace]
+        index.remove(entry.key)
+        if not len(index):
+            del self._indexes[entry.namespace]
         del self._lru[entry]
         for identity, _ in entry.blocks:
             holders = self._blocks[identity]
@@ -243,3 +333,17 @@ class IndexedMemoryCache(BaseLlamaCache):
             if holders[0] == 0:
                 del self._blocks[identity]
                 self._size -= holders[1]
+
+
+def _checked(fingerprint: object) -> str | None:
+    """``fingerprint`` if it is None or a non-empty str.
+
+    Raises:
+        TypeError: another type.
+        ValueError: an empty str.
+    """
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise TypeError(f"fingerprint must be a str or None, got {type(fingerprint).__name__}")
+    if fingerprint == "":
+        raise ValueError("fingerprint must not be empty")
+    return fingerprint

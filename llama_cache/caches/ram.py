@@ -6,7 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.memory import IndexedMemoryCache, _Entry
-from llama_cache.index import Match
+from llama_cache.index import Match, RadixIndex
 from llama_cache.state.values import can_be_cut
 
 
@@ -25,11 +25,11 @@ class LlamaRAMCache(IndexedMemoryCache):
     byte budget, eviction and thread-safety.
     """
 
-    def _match(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
-        match = self._index.longest_common_prefix(query)
+    def _match(self, index: RadixIndex[_Entry], query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
+        match = index.longest_common_prefix(query)
         if match is None or match.common == len(match.value.key) or can_be_cut(match.value.value):
             return match
         # The best entry diverges from the query (or runs past it) and its state cannot be cut back
         # (recurrent memory): only a stored key that prefixes the query is usable then.
-        prefix = self._index.longest_prefix(query)
+        prefix = index.longest_prefix(query)
         return prefix if prefix is not None and prefix.common > 0 else None

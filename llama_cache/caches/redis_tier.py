@@ -11,6 +11,7 @@ ten machines is stored once.
     llc:{ns}:e:<key digest hex>        hash: head (tokens, logits, seed, layout), chain (ids), size
     llc:{ns}:lru                       sorted set of entry digests by last use
     llc:{ns}:refs / llc:{ns}:info      hashes: chunk id -> links; chunk id -> "size:prev"
+    llc:{ns}:u:<chunk id hex>          set: the entries whose chain ends on this partial chunk
     llc:{ns}:bytes, llc:{ns}:clock     unique bytes held; the LRU clock
     llc:{ns}:meta                      hash: layout, chunk_tokens, seed of the namespace
 
@@ -27,10 +28,12 @@ checked (checksum, id recomputed from its tokens, position, layout) before use: 
 (evicted by Redis itself, or freed meanwhile) or damaged makes a shorter hit or a miss, never a
 wrong state. ``stats().round_trips`` counts round trips.
 
-**Stores** write the chunks the metadata does not know yet (pipelined ``SET``), then run one script
-that links the entry to its chain, counts references, and evicts least recently used entries until the
-unique bytes fit ``capacity_bytes``, freeing chunks with their last reference; the client then deletes
-the freed chunks' keys. A client dying between those steps leaves orphan chunks (or, rarely, a chunk
+**Stores** write the chunks the metadata does not know yet (pipelined ``SET``, each chunk framed as its
+command in one reused buffer), then run one script that links the entry to its chain, counts
+references, absorbs partial tails (a chunk extending a partial chunk after the same predecessor takes
+over the entries ending on it, as the disk tier does: a growing conversation keeps one tail per branch)
+and evicts least recently used entries until the unique bytes fit ``capacity_bytes``, freeing chunks
+with their last reference; the client then deletes the freed chunks' keys. A client dying between those steps leaves orphan chunks (or, rarely, a chunk
 freed by one client just as another relinked it: a shorter hit); :meth:`LlamaRedisCache.sweep` collects
 both. Redis may also evict keys on its own (``maxmemory`` with an LRU policy): lookups then see shorter
 chains or misses, and ``sweep`` repairs the accounting.
@@ -39,8 +42,16 @@ chains or misses, and ``sweep`` repairs the accounting.
 bounded by ``timeout`` seconds; a failing lookup is a miss and a failing store is skipped, each logged
 once per outage (at WARNING) and counted in ``stats().store_errors`` and :attr:`errors`; redis-py
 reconnects by itself on the next call. Nothing raises out of a lookup or a store. ``rediss://`` URLs,
-passwords and usernames pass through to redis-py; the password never reaches a log line or ``repr``
-(:func:`redact_url`, and redis-py's error messages are scrubbed of it before they are logged).
+passwords and usernames pass through to redis-py, for every node of a multi-node URL too; the password
+never reaches a log line or ``repr`` (:func:`redact_url`, and redis-py's error messages are scrubbed of
+it before they are logged). A cluster client is made on first use, not in the constructor. URLs, the
+client and per-node pipelines live in :mod:`llama_cache.caches.redis_client`.
+
+**A lost cluster node** (killed, or not answering): each node is asked for its own keys, so the chunks it
+held are misses (a shorter hit) while the other nodes answer, each lookup waiting at most ``timeout``
+for it; when it held the namespace's metadata, lookups are misses. Stores that need it are skipped.
+The servers must run with ``cluster-require-full-coverage no``, or they refuse every command once the
+cluster marks a node failed.
 
 What it stores: llama-cache states of transformer models (with a KV layout). Other values (recurrent
 states, llama-cpp-python's own states) are not stored here (counted in ``store_errors``, logged once);
@@ -54,25 +65,24 @@ import hashlib
 import json
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
-from urllib.parse import unquote
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 import redis
 import redis.cluster
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
+from llama_cache.caches.redis_client import connect, pipelined, redact_url, url_secrets
 from llama_cache.state.chunks import (
     ID_BYTES,
     Head,
+    Piece,
     assemble,
     chain_ids,
+    chunk_size,
     decode_chunk,
     decode_head,
     default_chunk_tokens,
@@ -94,16 +104,24 @@ logger = logging.getLogger("llama_cache.caches.redis")
 
 _MAX_VALUE = 512 << 20  # Redis's own limit on a string value
 _MAX_TOKENS = 1 << 24
+_FRAME_SLACK = 64 << 10  # room for a chunk's prefix and header in the reused store buffer
+_RESP_ROOM = 128  # room for a SET command's RESP header before a chunk in that buffer
+_CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
 
-# Links a new entry to its chain, drops the entry it replaces and evicts LRU entries until the unique
-# bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one slot). ARGV: key prefix,
-# entry member, head, capacity, chain length, then per chunk: id hex, size, prev hex, tokens.
-# Returns 1 when the entry itself did not fit (it is then dropped), the ids of the chunks freed and the
-# number of entries evicted.
+# Links a new entry to its chain, drops the entry it replaces, absorbs partial tails and evicts LRU
+# entries until the unique bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one
+# slot). ARGV: key prefix, entry member, head, capacity, chain length, chunk length, then per chunk: id
+# hex, size, prev hex, tokens. Returns 1 when the entry itself did not fit (it is then dropped), the ids
+# of the chunks freed and the number of entries evicted.
+#
+# A partial chunk (fewer tokens than the chunk length: always a chain's last) records the entries ending
+# on it in the set `u:<id>`. When a new chunk with the same predecessor extends its tokens (the next
+# turn of a conversation), it is *absorbed*: those entries' chains end on the new chunk instead (it holds
+# the same KV for those positions; a lookup uses the part it needs) and it is freed.
 _STORE_SCRIPT = """
 local entry, lru, refs, info, bytes, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local prefix, member, head = ARGV[1], ARGV[2], ARGV[3]
-local capacity, n = tonumber(ARGV[4]), tonumber(ARGV[5])
+local capacity, n, chunk_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local freed = {}
 local function release(id)
   if redis.call('HINCRBY', refs, id, -1) <= 0 then
@@ -133,16 +151,18 @@ local function drop(m)
   local record = redis.call('HMGET', key, 'chain', 'size')
   if record[1] then
     local chain = record[1]
+    if #chain >= 32 then redis.call('SREM', prefix .. 'u:' .. string.sub(chain, -32), m) end
     for at = 1, #chain, 32 do release(string.sub(chain, at, at + 31)) end
     redis.call('DECRBY', bytes, tonumber(record[2] or '0'))
   end
   redis.call('DEL', key)
   redis.call('ZREM', lru, m)
 end
-local ids = {}
+local ids, new = {}, {}
 for i = 0, n - 1 do
-  local id, size, prev, tokens = ARGV[6 + 4 * i], ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i]
+  local id, size, prev, tokens = ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i], ARGV[10 + 4 * i]
   if redis.call('HINCRBY', refs, id, 1) == 1 then
+    new[#new + 1] = {id, prev, tokens}
     redis.call('HSET', info, id, size .. ':' .. prev)
     redis.call('HSET', prefix .. 't:' .. prev, id, tokens)
     -- Every prefix of its tokens names it (unless another chunk holding that prefix already does):
@@ -159,6 +179,37 @@ drop(member)
 redis.call('HSET', entry, 'head', head, 'chain', table.concat(ids), 'size', #head)
 redis.call('INCRBY', bytes, #head)
 redis.call('ZADD', lru, redis.call('INCR', clock), member)
+local function partial(id, prev)
+  local tokens = redis.call('HGET', prefix .. 't:' .. prev, id)
+  return tokens and #tokens < 4 * chunk_tokens
+end
+local last = ids[#ids]
+if last and partial(last, n > 1 and ids[n - 1] or '') then redis.call('SADD', prefix .. 'u:' .. last, member) end
+for _, chunk in ipairs(new) do
+  local id, prev, tokens = chunk[1], chunk[2], chunk[3]
+  local extends = partial(id, prev)
+  local absorbed = false
+  for at = 4, #tokens - 4, 4 do
+    local shorter = redis.call('HGET', prefix .. 'p:' .. prev, string.sub(tokens, 1, at))
+    if shorter and shorter ~= id and #(redis.call('HGET', prefix .. 't:' .. prev, shorter) or '') == at then
+      for _, m in ipairs(redis.call('SMEMBERS', prefix .. 'u:' .. shorter)) do
+        local key = prefix .. 'e:' .. m
+        local chain = redis.call('HGET', key, 'chain')
+        if chain and string.sub(chain, -32) == shorter then
+          redis.call('HSET', key, 'chain', string.sub(chain, 1, -33) .. id)
+          redis.call('HINCRBY', refs, id, 1)
+          if extends then redis.call('SADD', prefix .. 'u:' .. id, m) end
+          release(shorter)
+        end
+      end
+      redis.call('DEL', prefix .. 'u:' .. shorter)
+      absorbed = true
+    end
+  end
+  if absorbed then
+    for at = 4, #tokens, 4 do redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id) end
+  end
+end
 -- An entry larger than the whole capacity evicts nothing: it is dropped at once.
 local own = #head
 for _, id in ipairs(ids) do
@@ -249,19 +300,20 @@ class LlamaRedisCache(BaseLlamaCache):
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, got {type(url).__name__}")
         self.url = url
-        self._secrets = _url_secrets(url)
+        self._secrets = url_secrets(url)
         self.timeout = float(timeout)
         self.chunk_tokens = chunk_tokens
         self.verify = bool(verify)
         self._fingerprint = fingerprint
-        self._client = client if client is not None else _connect(url, self.timeout, cluster)
-        self._script = self._client.register_script(_STORE_SCRIPT)
-        self._touch = self._client.register_script(_TOUCH_SCRIPT)
+        self._cluster = bool(cluster)
+        self._connected: Any = client  # built on first use: a cluster client contacts its nodes at once
+        self._script: Any = None
         self._hits = self._misses = self._evictions = self._rejected = 0
         self._writes = self._store_errors = self._round_trips = 0
         self.errors = 0
         """Calls that failed (Redis unreachable, slow, refusing, out of memory, damaged values)."""
         self._failing: str | None = None  # the kind of failure logged for the current outage
+        self._node_lost = False  # a cluster node failed the last fetch while others answered
         self._unstorable_logged = False
         self._layouts: dict[str, tuple[KVLayout, int, int]] = {}  # ns -> (layout, chunk_tokens, seed)
 
@@ -347,6 +399,23 @@ class LlamaRedisCache(BaseLlamaCache):
             return
         self._store(value)
 
+    def touch(self, keys: Sequence[Sequence[int]]) -> None:
+        """Make the entries stored under exactly ``keys`` (in the bound namespace) the most recently
+        used, those still held; one round trip for all. For a faster tier's hits
+        (:class:`~llama_cache.caches.tiered.TieredCache`). Never raises for Redis failures.
+
+        Raises:
+            TypeError, ValueError: a key is not a sequence of token ids.
+        """
+        fingerprint = self._fingerprint
+        members = [_digest(as_token_array(key)).hex() for key in keys]
+        if fingerprint is None or not members:
+            return
+        lru, clock = _meta_key(fingerprint, "lru"), _meta_key(fingerprint, "clock")
+        self._call("touch", lambda: pipelined(self._client, [
+            (lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
+        ]))
+
     def stats(self) -> CacheStats:
         """This instance's counters; the namespace's entries and bytes (one round trip, counted)."""
         entries = size = 0
@@ -389,9 +458,11 @@ class LlamaRedisCache(BaseLlamaCache):
 
     def close(self) -> None:
         """Close the connections (the cache stays usable: redis-py reconnects)."""
+        if self._connected is None:
+            return
         try:
-            self._client.close()
-        except redis.RedisError:
+            self._connected.close()
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError):
             pass
 
     # -------------------------------------------------------------------------------- lookups
@@ -413,18 +484,17 @@ class LlamaRedisCache(BaseLlamaCache):
         ids = chain_ids(fingerprint, query, size) if size else []
         blob = np.ascontiguousarray(query, dtype="<i4").tobytes()
 
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens", "seed"])
-            pipe.hmget(_entry_key(fingerprint, query), ["head", "chain"])
-            prev = b""
-            for k, ident in enumerate(ids):
-                pipe.hget(_prefixes_key(fingerprint, prev), blob[4 * k * size : 4 * (k + 1) * size])
-                prev = ident
-            _ask_children(pipe, fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
-            return pipe.execute()
-
-        reply = self._call("lookup", run)
+        meta, entry = _meta_key(fingerprint, "meta"), _entry_key(fingerprint, query)
+        commands: list[tuple[Any, tuple[Any, ...]]] = [
+            (meta, ("HMGET", meta, "layout", "chunk_tokens", "seed")), (entry, ("HMGET", entry, "head", "chain")),
+        ]
+        prev = b""
+        for k, ident in enumerate(ids):
+            field = _prefixes_key(fingerprint, prev)
+            commands.append((field, ("HGET", field, blob[4 * k * size : 4 * (k + 1) * size])))
+            prev = ident
+        commands += _ask_children(fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
+        reply = self._call("lookup", lambda: pipelined(self._client, commands))
         if reply is None:
             return None
         meta, exact, *found = reply
@@ -444,8 +514,8 @@ class LlamaRedisCache(BaseLlamaCache):
         else:
             prev = ids[unbroken - 1] if unbroken else b""
             rest = blob[4 * unbroken * chunk_tokens :]
-            children = self._call("lookup", lambda: _ask_children(self._client.pipeline(transaction=False),
-                                                                   fingerprint, prev, rest, chunk_tokens).execute()[0])
+            asked = _ask_children(fingerprint, prev, rest, chunk_tokens)
+            children = self._call("lookup", lambda: pipelined(self._client, asked)[0])
         return _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
 
     def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
@@ -454,18 +524,18 @@ class LlamaRedisCache(BaseLlamaCache):
             return None
         keys = [_chunk_key(ident) for ident, _, _ in plan.chunks]
 
-        def run() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for key in keys:
-                pipe.get(key)
-            if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
-                lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
-                self._touch(keys=[lru, clock], args=[_digest(query).hex()], client=pipe)
-            return pipe.execute()[: len(keys)]
+        commands: list[tuple[Any, tuple[Any, ...]]] = [(key, ("GET", key)) for key in keys]
+        if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
+            lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
+            # A plain EVAL: redis-py refuses EVALSHA (a registered script) and its own eval() in a
+            # cluster's pipelines, and a refused call here made every exact hit a miss.
+            commands.append((lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, _digest(query).hex())))
 
-        values = self._call("fetch", run)
-        if values is None:
+        replies = self._call("fetch", lambda: pipelined(self._client, commands, strict=False))
+        if replies is None:
             return None
+        values = replies[: len(keys)]
+        self._note_lost_node(next((reply for reply in values if isinstance(reply, Exception)), None))
         segments: list[KVSegment] = []
         covered = 0
         for (ident, prev, start), value in zip(plan.chunks, values):
@@ -491,6 +561,19 @@ class LlamaRedisCache(BaseLlamaCache):
         source = Head(plan.fingerprint, plan.seed, np.array(query[:covered], dtype=np.int32),
                       head.logits if head is not None else None, plan.chunk_tokens, plan.layout)
         return assemble(source, segments, covered)
+
+    def _note_lost_node(self, error: Exception | None) -> None:
+        """Count and log (once per outage) a cluster node failing while the others answered (``error``),
+        or note that every node answered (None)."""
+        with self._lock:
+            was_lost, self._node_lost = self._node_lost, error is not None
+            if error is not None:
+                self.errors += 1
+        if error is not None and not was_lost:
+            logger.warning("redis cache: a cluster node failed (%s: %s); its chunks are misses until it answers again",
+                           type(error).__name__, self._scrub(str(error)))
+        elif error is None and was_lost:
+            logger.warning("redis cache: every cluster node answers again")
 
     def _note_damage(self, ident: bytes, reason: str) -> None:
         with self._lock:
@@ -539,18 +622,17 @@ class LlamaRedisCache(BaseLlamaCache):
 
         layout_json = json.dumps(layout_to_json(layout), sort_keys=True)
 
-        def present() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            pipe.hsetnx(_meta_key(fingerprint, "meta"), "layout", layout_json)
-            pipe.hsetnx(_meta_key(fingerprint, "meta"), "chunk_tokens", chunk_tokens)
-            pipe.hsetnx(_meta_key(fingerprint, "meta"), "seed", int(state.seed))
-            for piece in chain:  # the values themselves: Redis may have evicted one that is still linked
-                pipe.exists(_chunk_key(piece.id))
-            pipe.hget(_prefixes_key(fingerprint, chain[-1].prev), chain[-1].tokens.astype("<i4").tobytes())
-            pipe.hmget(_meta_key(fingerprint, "meta"), ["layout", "chunk_tokens"])
-            return pipe.execute()
-
-        reply = self._call("store", present, store=True)
+        meta, prefixes = _meta_key(fingerprint, "meta"), _prefixes_key(fingerprint, chain[-1].prev)
+        asked: list[tuple[Any, tuple[Any, ...]]] = [
+            (meta, ("HSETNX", meta, "layout", layout_json)),
+            (meta, ("HSETNX", meta, "chunk_tokens", chunk_tokens)),
+            (meta, ("HSETNX", meta, "seed", int(state.seed))),
+            # The values themselves: Redis may have evicted one that is still linked.
+            *((key, ("EXISTS", key)) for key in map(_chunk_key, (piece.id for piece in chain))),
+            (prefixes, ("HGET", prefixes, chain[-1].tokens.astype("<i4").tobytes())),
+            (meta, ("HMGET", meta, "layout", "chunk_tokens")),
+        ]
+        reply = self._call("store", lambda: pipelined(self._client, asked), store=True)
         if reply is None:
             return
         recorded = reply.pop()
@@ -572,31 +654,26 @@ class LlamaRedisCache(BaseLlamaCache):
             if len(longer) == ID_BYTES and longer != last.id:
                 ids[-1] = longer
                 known_ids.add(longer)
-        values: dict[bytes, memoryview] = {}
-        for piece in chain:
-            if piece.id not in known_ids and piece.id in ids:
-                values[piece.id] = encode_chunk(fingerprint, piece, layout, state.segments)[0]
-        sizes = {piece.id: values[piece.id].nbytes if piece.id in values else 0 for piece in chain}
+        new = [piece for piece in chain if piece.id not in known_ids and piece.id in ids]
         head = b"".join(encode_head(state, chunk_tokens))
-        args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids)]
         by_id = {piece.id: piece for piece in chain}
-        for ident in ids:
-            piece = by_id.get(ident)
-            if piece is not None:
-                args += [ident.hex(), sizes[ident], piece.prev.hex(), piece.tokens.astype("<i4").tobytes()]
-            else:  # an existing longer chunk: already registered, its size already counted
-                args += [ident.hex(), 0, last.prev.hex(), b""]
 
         def write() -> Any:
-            if values:
-                pipe = self._client.pipeline(transaction=False)
-                for ident, value in values.items():
-                    pipe.set(_chunk_key(ident), value)
-                pipe.execute()
+            sizes = _set_chunks(self._client, fingerprint, layout, state.segments, new) if new else {}
+            args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids),
+                               chunk_tokens]
+            for ident in ids:
+                piece = by_id.get(ident)
+                if piece is not None:
+                    args += [ident.hex(), sizes.get(ident, 0), piece.prev.hex(), piece.tokens.astype("<i4").tobytes()]
+                else:  # an existing longer chunk: already registered, its size already counted
+                    args += [ident.hex(), 0, last.prev.hex(), b""]
             keys = [_entry_key(fingerprint, tokens), *(_meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
+            if self._script is None:
+                self._script = self._client.register_script(_STORE_SCRIPT)
             return self._script(keys=keys, args=args)
 
-        result = self._call("store", write, store=True, trips=2 if values else 1)
+        result = self._call("store", write, store=True, trips=2 if new else 1)
         if result is None:
             return
         over, freed, evicted = result
@@ -633,11 +710,25 @@ class LlamaRedisCache(BaseLlamaCache):
 
     # ------------------------------------------------------------------------------ the client
 
+    @property
+    def _client(self) -> Any:
+        """The redis-py client, made on first use (inside :meth:`_call`, so that a cluster that cannot
+        be reached or refuses the credentials is a counted failure, not an exception out of the
+        constructor; the next call tries again)."""
+        client = self._connected
+        if client is None:
+            with self._lock:
+                if self._connected is None:
+                    self._connected = connect(self.url, self.timeout, self._cluster)
+                client = self._connected
+        return client
+
     def _call(self, what: str, run: Any, *, store: bool = False, trips: int = 1) -> Any:
         """Run ``run()`` against Redis; on failure log once per outage, count, and return None."""
         try:
             result = run()
-        except (redis.RedisError, OSError) as error:
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as error:
+            # RedisClusterException (a cluster client refusing a call, or finding no node) is not a RedisError.
             with self._lock:
                 self.errors += 1
                 if store:
@@ -683,12 +774,13 @@ class _Plan:
         self.head = head
 
 
-def _ask_children(pipe: Any, fingerprint: str, prev: bytes, rest: bytes, size: int | None) -> Any:
-    """Queue the question "which child of ``prev`` holds each prefix of ``rest``'s first chunk"."""
-    if size:
-        head = rest[: 4 * size]
-        pipe.hmget(_prefixes_key(fingerprint, prev), [head[: 4 * n] for n in range(1, len(head) // 4 + 1)] or [b""])
-    return pipe
+def _ask_children(fingerprint: str, prev: bytes, rest: bytes, size: int | None) -> list[tuple[Any, tuple[Any, ...]]]:
+    """The command asking "which child of ``prev`` holds each prefix of ``rest``'s first chunk" (none
+    while the chunk length is unknown), as :func:`_pipelined` takes it."""
+    if not size:
+        return []
+    head, key = rest[: 4 * size], _prefixes_key(fingerprint, prev)
+    return [(key, ("HMGET", key, *([head[: 4 * n] for n in range(1, len(head) // 4 + 1)] or [b""])))]
 
 
 def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], children: Any, chunk_tokens: int,
@@ -726,6 +818,53 @@ def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], chil
     return _Plan(fingerprint, chunks, position, layout, chunk_tokens, head.seed if head is not None else seed, head)
 
 
+def _set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Sequence[KVSegment],
+                new: Sequence[Piece]) -> dict[bytes, int]:
+    """``SET`` the chunks ``new`` (their encoded size by id), in one round trip per node.
+
+    Each chunk is encoded into one buffer reused for the next, framed there as a RESP ``SET`` command
+    and written to its node's socket at once, in one write (redis-py's own packing copies every value
+    into a new bytes object first, and the chunks of a whole state would all be held at once); the
+    replies are read after the last. Memory: one chunk, whatever the state's size.
+
+    Raises:
+        redis.RedisError, redis.exceptions.RedisClusterException, OSError: a node failed (its
+            connection is dropped: replies may be left unread).
+    """
+    frame = np.empty(_RESP_ROOM + chunk_size(layout, max(piece.n_tokens for piece in new)) + _FRAME_SLACK, dtype=np.uint8)
+    sizes: dict[bytes, int] = {}
+    sent: dict[int, tuple[Any, Any, list[int]]] = {}  # pool id -> (pool, connection, [commands sent])
+    try:
+        for piece in new:
+            key = _chunk_key(piece.id)
+            pool = (client.get_redis_connection(client.get_node_from_key(key)) if isinstance(client, redis.cluster.RedisCluster)
+                    else client).connection_pool
+            if id(pool) not in sent:
+                sent[id(pool)] = (pool, pool.get_connection(), [0])
+            _, connection, count = sent[id(pool)]
+            # The value is encoded after room for the command's RESP header, which is then written
+            # right before it, and the closing CRLF after it: one buffer, one write per chunk.
+            size = encode_chunk(fingerprint, piece, layout, segments, into=frame[_RESP_ROOM:-2])[0].nbytes
+            command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size)
+            start, end = _RESP_ROOM - len(command), _RESP_ROOM + size
+            frame[start:_RESP_ROOM] = np.frombuffer(command, dtype=np.uint8)
+            frame[end : end + 2] = _CRLF
+            connection.send_packed_command([memoryview(frame)[start : end + 2]], check_health=False)
+            count[0] += 1
+            sizes[piece.id] = size
+        for _, connection, count in sent.values():
+            for _ in range(count[0]):
+                connection.read_response()
+    except BaseException:
+        for _, connection, _ in sent.values():
+            connection.disconnect()
+        raise
+    finally:
+        for pool, connection, _ in sent.values():
+            pool.release(connection)
+    return sizes
+
+
 def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
     """The work of :meth:`LlamaRedisCache.sweep`; raises redis-py's errors."""
     prefix = _prefix(fingerprint)
@@ -761,6 +900,7 @@ def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
                     client.hdel(prefix + "p:" + parent, tokens[:at])
             client.hdel(prefix + "info", ident)
             client.hdel(prefix + "t:" + parent, ident)
+            client.delete(prefix + "u:" + ident.decode(errors="replace"))
             removed += client.delete(b"llc:c:" + ident)
         elif size.isdigit():
             sizes[ident] = int(size)
@@ -826,59 +966,3 @@ def _digest(tokens: npt.NDArray[np.int32]) -> bytes:
 
 def _entry_key(fingerprint: str, tokens: npt.NDArray[np.int32]) -> str:
     return _prefix(fingerprint) + "e:" + _digest(tokens).hex()
-
-
-_PASSWORD_ARGUMENT = re.compile(r"([?&]password=)([^&#]*)", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit for a log line: its password, and any ``password=`` query argument, as ``***``.
-
-    ``redis://user:secret@host:6379/0`` becomes ``redis://user:***@host:6379/0`` and
-    ``redis://:secret@host:6379`` ``redis://:***@host:6379``. User information without a colon
-    (``redis://secret@host``, often meant as a password) is replaced whole. Everything up to the last
-    ``@`` counts as user information, so an ``@`` inside an unescaped password is covered too. A URL
-    without credentials is returned unchanged.
-    """
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        scheme, rest = "", url
-    userinfo, at, location = rest.rpartition("@")
-    if at:
-        user, colon, _ = userinfo.partition(":")
-        rest = f"{user}:***@{location}" if colon else f"***@{location}"
-    return scheme + separator + _PASSWORD_ARGUMENT.sub(r"\1***", rest)
-
-
-def _url_secrets(url: str) -> list[str]:
-    """What :func:`redact_url` hides, as written and percent-decoded, longest first: to scrub messages."""
-    rest = url.partition("://")[2] or url
-    userinfo, at, _ = rest.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    secrets = [password if colon else user] if at else []
-    secrets += [match.group(2) for match in _PASSWORD_ARGUMENT.finditer(rest)]
-    found = {text for secret in secrets for text in (secret, unquote(secret)) if text}
-    return sorted(found, key=len, reverse=True)
-
-
-def _connect(url: str, timeout: float, cluster: bool) -> Any:
-    """A redis-py client for ``url`` with every call bounded by ``timeout``.
-
-    A call whose connection turns out broken (the server restarted) is retried once on a new
-    connection; a call that times out is not retried.
-    """
-    retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
-    options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
-    if cluster or "," in url.split("://", 1)[-1]:
-        nodes = url.split("://", 1)[-1].split("/", 1)[0].split(",")
-        if len(nodes) > 1:
-            startup = [redis.cluster.ClusterNode(*_host_port(node)) for node in nodes]
-            scheme = url.split("://", 1)[0]
-            return redis.cluster.RedisCluster(startup_nodes=startup, ssl=scheme == "rediss", **options)
-        return redis.cluster.RedisCluster.from_url(url, **options)
-    return redis.Redis.from_url(url, **options)
-
-
-def _host_port(node: str) -> tuple[str, int]:
-    host, _, port = node.rpartition(":")
-    return host or "127.0.0.1", int(port or 6379)

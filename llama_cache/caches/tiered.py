@@ -15,6 +15,14 @@ loading) are tried last, fastest first; each counts its own miss.
 **Promotion.** What tier ``j`` answered is stored, under the tokens it holds, in tier 0 at once and in
 tiers ``1..j-1`` through the background writer; never again in tier ``j`` nor in slower tiers.
 
+**Recency.** A hit served by a faster tier is not a lookup of the slower ones, yet it is their use too:
+without a word from it, a slower tier would evict an entry that the faster tier answers every minute. So
+the tokens of each hit are noted, and the background writer passes them in one batch to every slower
+tier that has a ``touch(keys)`` method (the Redis tier: one round trip per batch), which makes the
+entries stored under exactly those keys the most recently used. At most :data:`_MAX_TOUCHES` keys wait;
+further hits are not noted until the writer took them; the batch takes one slot of the queue, never a
+state's.
+
 **Stores.** ``cache[key] = state`` stores in tier 0 in the caller's thread and queues the state for the
 slower tiers (or, with ``write_through``, stores it in every tier before returning), written in order by one background thread per cache (``llama-cache-tier-writer``,
 started on demand, gone after five idle seconds). The queue holds ``max_pending`` states; a store
@@ -59,6 +67,8 @@ __all__ = ["TieredCache"]
 logger = logging.getLogger(__name__)
 
 _IDLE_SECONDS = 5.0  # a writer thread with nothing to do exits after this long
+_MAX_TOUCHES = 256  # keys of hits waiting to refresh recency in slower tiers
+_TOUCH: Any = object()  # the queue item that passes the noted hits to the slower tiers
 _FAILED: Any = object()  # what a failing tier's lookup gives
 _T = TypeVar("_T")
 
@@ -128,6 +138,9 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         self._pending = WriteBehindQueue(self._write_pending, lambda: None, thread_name="llama-cache-tier-writer",
                                          idle_seconds=_IDLE_SECONDS)
         self._dropped = 0  # under `_lock`
+        # Hits to refresh in slower tiers: key bytes -> (tokens, first tier to touch); under `_lock`.
+        self._touches: dict[bytes, tuple[TokenArray, int]] = {}
+        self._touch_queued = False
         lifecycle.register(self, stage=lifecycle.FRONT)
 
     # ------------------------------------------------------------------------------------ lookups
@@ -203,6 +216,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             with self._lock:
                 self._hits += 1
             self._promote(index, value)
+            self._note_use(index, value)
             return value
         with self._lock:
             self._misses += 1
@@ -220,6 +234,32 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         self._store_in(0, key, value)
         if found_in > 1:
             self._enqueue(key, value, 1, found_in)
+
+    def _note_use(self, found_in: int, value: Any) -> None:
+        """Note a hit of tier ``found_in`` for the slower tiers that have ``touch`` (see the module)."""
+        tokens = state_tokens(value)
+        if tokens is None or not any(callable(getattr(tier, "touch", None)) for tier in self.tiers[found_in + 1 :]):
+            return
+        with self._lock:
+            if len(self._touches) >= _MAX_TOUCHES:
+                return
+            key = np.ascontiguousarray(tokens, dtype=np.int32)
+            self._touches[key.tobytes()] = (readonly(key.copy()), found_in + 1)
+            if self._touch_queued:
+                return
+            self._touch_queued = True
+        # One slot more than the states': the batch never makes the queue drop a state.
+        self._pending.put(_TOUCH, self.max_pending + 1, drop_oldest=True)
+
+    def _touch_slower(self) -> None:
+        """Pass the noted hits to the slower tiers' ``touch``, one call per tier; in the writer thread."""
+        with self._lock:
+            touches, self._touches, self._touch_queued = self._touches, {}, False
+        for index, tier in enumerate(self.tiers):
+            if callable(touch := getattr(tier, "touch", None)):
+                keys = [tokens for tokens, first in touches.values() if first <= index]
+                if keys:
+                    self._guard(index, "touch", touch, None, keys)
 
     # ------------------------------------------------------------------------------------- stores
 
@@ -250,7 +290,11 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             logger.debug("tiered cache: queue full, dropped a %d-token state", len(dropped.key))
 
     def _write_pending(self, item: _Pending) -> None:
-        """Store a queued state in its tiers; in the writer thread (never raises: ``_store_in`` guards)."""
+        """Store a queued state in its tiers, or pass the noted hits on; in the writer thread (never
+        raises: ``_guard`` guards)."""
+        if item is _TOUCH:
+            self._touch_slower()
+            return
         for index in range(item.first, item.stop):
             self._store_in(index, item.key, item.value)
 
@@ -378,6 +422,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     def _reset_after_fork(self) -> None:
         """In a forked child: no writer, an empty queue (the parent drained it), fresh locks."""
         self._lock = threading.RLock()
+        self._touches, self._touch_queued = {}, False
         self._pending.reset_after_fork()
         self._fork_locked = False
 

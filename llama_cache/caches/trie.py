@@ -6,7 +6,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.memory import IndexedMemoryCache, _Entry
-from llama_cache.index import Match
+from llama_cache.index import Match, RadixIndex
 
 
 class LlamaTrieCache(IndexedMemoryCache):
@@ -19,5 +19,5 @@ class LlamaTrieCache(IndexedMemoryCache):
     and thread-safety.
     """
 
-    def _match(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
-        return self._index.longest_prefix(query)
+    def _match(self, index: RadixIndex[_Entry], query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
+        return index.longest_prefix(query)

@@ -198,11 +198,14 @@ def _window(segments: Sequence[KVSegment], start: int, end: int) -> Iterator[tup
             return
 
 
-def encode_chunk(namespace: str, piece: Piece, layout: KVLayout, segments: Sequence[KVSegment]) -> list[memoryview]:
+def encode_chunk(namespace: str, piece: Piece, layout: KVLayout, segments: Sequence[KVSegment], *,
+                 into: npt.NDArray[np.uint8] | None = None) -> list[memoryview]:
     """Encode the KV of ``piece``'s positions, taken from a state's ``segments``, as a chunk file.
 
     Returns one buffer (in a list, like every encoder here), written in place: its prefix, header and
-    payload. Complexity: one copy of the chunk's bytes and one checksum pass.
+    payload; in ``into``'s first bytes when it is large enough (a buffer reused for chunk after chunk:
+    the view is valid until the next encoding into it), else in a new array. Complexity: one copy of the
+    chunk's bytes and one checksum pass.
     """
     start, end = piece.start, piece.start + piece.n_tokens
     runs = list(_window(segments, start, end))
@@ -221,7 +224,8 @@ def encode_chunk(namespace: str, piece: Piece, layout: KVLayout, segments: Seque
     ).encode()
     n = piece.n_tokens
     body = PREFIX_SIZE + len(header)
-    out = np.empty(body + chunk_size(layout, n), dtype=np.uint8)
+    total = body + chunk_size(layout, n)
+    out = into[:total] if into is not None and len(into) >= total else np.empty(total, dtype=np.uint8)
     out[PREFIX_SIZE:body] = np.frombuffer(header, dtype=np.uint8)
     offset = body
     out[offset : offset + 4 * n] = np.ascontiguousarray(piece.tokens, dtype="<i4").view(np.uint8)
