@@ -331,9 +331,10 @@ class LlamaState:
             blocks.append((id(self._opaque), int(self._opaque.nbytes)))
         for segment in self._segments:
             blocks.append((id(segment.buffer), int(segment.buffer.nbytes)))
-        copy_bytes = 0 if self._copy is None else self._copy.nbytes
-        if copy_bytes:
-            blocks.append((self._copy, copy_bytes))
+        copy = self._copy
+        copy_bytes = 0 if copy is None else copy.nbytes
+        if copy is not None and copy_bytes:
+            blocks.append((copy, copy_bytes))
         return blocks
 
     @property
