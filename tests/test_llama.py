@@ -12,8 +12,10 @@ import pytest
 
 from llama_cache import LlamaCache, LlamaRAMCache, default_model_path
 from llama_cache.llama import Llama
-from llama_cache.state.llama_state import LlamaState
+from llama_cache.state.kv_layout import serialize_segments
+from llama_cache.state.llama_state import LlamaState, RestoreCopy
 from llama_cache.state.llama_state import IncompatibleStateError
+from llama_cache.state.memory import memory_blocks
 
 pytestmark = pytest.mark.model
 
@@ -167,6 +169,39 @@ def test_restored_state_gives_bit_identical_logits_to_a_same_chunk_cold_run() ->
     assert np.array_equal(_last_logits(llm), cold_logits)
 
 
+def test_a_chat_turn_restores_from_the_bytes_kept_beside_it_exactly() -> None:
+    """A state extended from a restored one restores without assembly, bit for bit, and as before without them."""
+    llm = _make()
+    prompt = llm.tokenize(DOCUMENT.encode())
+    question = llm.tokenize(b"Q: What colour are llamas?", add_bos=False)
+    answer = llm.tokenize(b" Mostly brown and white.", add_bos=False)
+    llm.eval(prompt)
+    history = llm.save_state()
+    llm.reset()
+    llm.load_state(history)
+    llm.eval(question)
+    turn = llm.save_state()  # two segments: the history's KV, shared, and the question's own
+    assert len(turn.segments) == 2 and turn.segments[0].buffer is history.segments[0].buffer
+    assembled = serialize_segments(turn.layout, list(turn.segments), 0)  # type: ignore[arg-type]
+    llm.eval(answer)
+    cold_logits = _last_logits(llm)
+
+    copy = turn.restore_copy
+    assert copy is not None and copy.data is not None and not turn.needs_assembly(0)
+    for released in (False, True):
+        if released:
+            copy.release()
+            assert turn.needs_assembly(0)
+        llm.reset()
+        llm.eval(llm.tokenize(b"Something else entirely, to overwrite the context."))
+        llm.reset()
+        llm.load_state(turn)
+        assert llm.n_tokens == turn.n_tokens
+        assert np.array_equal(llm._read_seq_bytes(), assembled)
+        llm.eval(answer)
+        assert np.array_equal(_last_logits(llm), cold_logits)
+
+
 def test_state_owns_one_logits_row_and_the_sequence_kv() -> None:
     llm = _make()
     prompt = llm.tokenize(DOCUMENT.encode())
@@ -201,9 +236,18 @@ def _chat_turns(llm: Llama) -> list[tuple[int, int, str, int]]:
             reply = llm.create_chat_completion(histories[name], max_tokens=10, temperature=0.0, seed=0)
             text = reply["choices"][0]["message"]["content"]
             histories[name].append({"role": "assistant", "content": text})
-            size = llm.cache.cache_size if llm.cache is not None else 0
+            size = _bytes_without_restore_copies(llm.cache)
             results.append((turn, getattr(llm, "last_prompt_tokens_evaluated", -1), text, size))
     return results
+
+
+def _bytes_without_restore_copies(cache: object) -> int:
+    """What a cache charges for its entries' own memory: restore copies, released before any entry, aside."""
+    if not isinstance(cache, LlamaCache):
+        return getattr(cache, "cache_size", 0)
+    blocks = {identity: size for key in cache.keys() for identity, size in memory_blocks(cache.peek(key))}
+    assert cache.cache_size == sum(blocks.values())
+    return sum(size for identity, size in blocks.items() if not isinstance(identity, RestoreCopy))
 
 
 def test_interleaved_chats_evaluate_only_new_tokens_and_match_llama_cpp(cold: Llama) -> None:
@@ -213,7 +257,8 @@ def test_interleaved_chats_evaluate_only_new_tokens_and_match_llama_cpp(cold: Ll
         if turn > 0:
             # The new user message and the template's tags around it: never the history again.
             assert evaluated <= 30, results
-    # Memory grows by the new tokens' KV, not by a copy of the whole conversation per turn.
+    # Memory grows by the new tokens' KV, not by a copy of the whole conversation per turn (the restore
+    # copies kept beside turns use budget no entry needs: they are released first).
     bytes_per_token = llm.save_state().layout.bytes_per_token  # type: ignore[union-attr]
     growth = np.diff([size for *_, size in results])
     assert max(growth) < 60 * bytes_per_token + 4 * llm.n_vocab() * 4

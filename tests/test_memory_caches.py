@@ -9,7 +9,9 @@ import pytest
 from llama_cpp.llama import LlamaState as UpstreamState
 
 from llama_cache import LlamaCache, LlamaRAMCache, LlamaTrieCache
+from llama_cache.state.llama_state import LlamaState, RestoreCopy
 from llama_cache.state.memory import memory_blocks
+from llama_cache.testing.states import synthetic_state
 from tests.cache_contract import CacheContract
 
 
@@ -164,3 +166,54 @@ def test_states_without_a_fingerprint_are_filed_under_the_bound_model() -> None:
         cache.bind(3)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         LlamaRAMCache(fingerprint="")
+
+
+def _chat_turn() -> tuple[LlamaState, LlamaState, LlamaState]:
+    """A state, a turn extended from it (holding a restore copy) and a view of that turn sharing the copy."""
+    rng = np.random.default_rng(7)
+    tokens = np.arange(40, dtype=np.int32)
+    base = synthetic_state(tokens[:20], 64, rng)
+    turn = base.extended(20, tokens[:30], None, 0, synthetic_state(tokens[:30], 64, rng).seq_bytes())
+    view = turn.prefix(25, None)
+    assert turn.restore_copy is not None and view.restore_copy is turn.restore_copy
+    return base, turn, view
+
+
+def _footprint(*states: LlamaState, copies: bool) -> int:
+    blocks = {identity: size for state in states for identity, size in memory_blocks(state)}
+    return sum(size for identity, size in blocks.items() if copies or not isinstance(identity, RestoreCopy))
+
+
+@pytest.mark.parametrize("make", [LlamaRAMCache, LlamaTrieCache])
+def test_restore_copies_are_charged_once_and_released_before_any_entry_is_evicted(make: Any) -> None:
+    states = _chat_turn()
+    copy = states[1].restore_copy
+    assert copy is not None
+    roomy = make(capacity_bytes=10**7)
+    for state in states:
+        roomy[state.tokens] = state
+    assert roomy.cache_size == _footprint(*states, copies=True) > _footprint(*states, copies=False)
+
+    tight = make(capacity_bytes=_footprint(*states, copies=False))
+    for state in states:
+        tight[state.tokens] = state
+    assert len(tight) == 3 and tight.stats().evictions == 0
+    assert copy.data is None and states[1].needs_assembly(0)
+    assert tight.cache_size == _footprint(*states, copies=False)
+    for state in states:
+        del tight[state.tokens]
+    assert tight.cache_size == 0
+    # The roomy cache charged bytes that are gone now: it uncharges them before it evicts for room.
+    roomy.capacity_bytes = _footprint(*states, copies=False)
+    roomy[[99]] = _SharedBlocks(("other", 0))
+    assert len(roomy) == 4 and roomy.stats().evictions == 0
+    assert roomy.cache_size == _footprint(*states, copies=False)
+
+
+def test_a_state_that_fits_only_without_its_copy_is_stored_without_it() -> None:
+    _, turn, _ = _chat_turn()
+    cache = LlamaRAMCache(capacity_bytes=_footprint(turn, copies=False))
+    cache[turn.tokens] = turn
+    assert len(cache) == 1 and cache.stats().rejected == 0
+    assert turn.restore_copy is not None and turn.restore_copy.data is None
+    assert cache.cache_size == _footprint(turn, copies=False)

@@ -133,12 +133,15 @@ def _canonical(llm: Llama) -> LlamaState:
 
 
 def _states(llm: Llama) -> dict[str, LlamaState]:
-    """A canonical state, a view of its first tokens and a state of two segments (view + own tokens)."""
+    """A canonical state, a view of its first tokens, a state of two segments (view + own tokens) with
+    llama.cpp's bytes kept beside it, and the same without them ("assembled")."""
     whole = _canonical(llm)
     view = whole.prefix(5, logits=None)
     two = view.extended(5, whole.tokens, whole.logits, whole.seed, llm._read_seq_bytes())
     assert len(two.segments) == 2 and two.segments[0].buffer is whole.segments[0].buffer
-    return {"canonical": whole, "view": view, "two segments": two}
+    assembled = view.extended(5, whole.tokens, whole.logits, whole.seed, llm._read_seq_bytes())
+    assert assembled.restore_copy is not None and assembled.restore_copy.release() > 0
+    return {"canonical": whole, "view": view, "two segments": two, "assembled": assembled}
 
 
 def _llama_cpp_seq_bytes(llm: Llama, seq: np.ndarray, seq_id: int, n_tokens: int) -> np.ndarray:
@@ -166,13 +169,13 @@ def _llama_cpp_seq_bytes(llm: Llama, seq: np.ndarray, seq_id: int, n_tokens: int
         llama_cpp.llama_free(ctx)
 
 
-@pytest.mark.parametrize("kind", ["canonical", "view", "two segments"])
+@pytest.mark.parametrize("kind", ["canonical", "view", "two segments", "assembled"])
 @pytest.mark.parametrize("seq_id", [0, 3])
 def test_restore_bytes_are_the_assembled_bytes(llm: Llama, kind: str, seq_id: int) -> None:
     state = _states(llm)[kind]
     expected = _llama_cpp_seq_bytes(llm, llm._read_seq_bytes(), seq_id, state.n_tokens)
     assert np.array_equal(state.seq_bytes(seq_id), expected)
-    assert state.needs_assembly(seq_id) == (kind != "canonical" or seq_id != 0)
+    assert state.needs_assembly(seq_id) == (kind in ("view", "assembled") or seq_id != 0)
     for _ in range(2):  # the second time in a reused buffer
         with state.restore_bytes(seq_id) as data:
             assert data.flags.c_contiguous and not data.flags.writeable
@@ -190,10 +193,11 @@ def test_restore_bytes_of_canonical_and_opaque_states_are_lent_without_a_copy(ll
 
 def test_assembled_states_are_staged_ahead_and_restored_in_a_reused_buffer(llm: Llama) -> None:
     RESTORE_STAGING.clear()
-    states = _states(llm)  # making the view and the two-segment state reserves a buffer for them
+    states = _states(llm)  # making the view reserves a buffer for it
+    states["long"] = states["assembled"].prefix(states["assembled"].n_tokens - 1, None)  # and this one
     allocations = RESTORE_STAGING.allocations
-    assert RESTORE_STAGING.idle_nbytes >= states["two segments"].llama_state_size
-    for state in (states["view"], states["two segments"], states["view"]):
+    assert RESTORE_STAGING.idle_nbytes >= states["long"].llama_state_size
+    for state in (states["view"], states["long"], states["view"]):
         with state.restore_bytes(0):
             pass
     assert RESTORE_STAGING.allocations == allocations
@@ -263,8 +267,63 @@ def test_other_states_restore_from_assembled_bytes(llm: Llama, case: str) -> Non
     state, seq_id = {
         "far from its parent": (states["view"], 0),  # 5 of the text's tokens: far more than a quarter cut
         "another sequence": (states["canonical"].prefix(states["canonical"].n_tokens - 1, None), 3),
-        "two segments": (states["two segments"], 0),
+        "two segments": (states["assembled"], 0),
     }[case]
     with state.restore_source(seq_id) as (data, held):
         assert held == state.n_tokens
         assert np.array_equal(data, state.seq_bytes(seq_id))
+
+
+def test_an_extended_state_restores_from_the_llama_cpp_bytes_kept_beside_it(llm: Llama) -> None:
+    """A chat turn (two segments) restores without assembling, and its KV is the assembled state's."""
+    two = _states(llm)["two segments"]
+    copy = two.restore_copy
+    assert copy is not None and copy.data is not None and copy.n_tokens == two.n_tokens
+    assembled = serialize_segments(two.layout, list(two.segments), 0)  # type: ignore[arg-type]
+    assert not two.needs_assembly(0) and two.needs_assembly(3)
+    assert (copy, copy.nbytes) in two.memory_blocks()
+    assert two.nbytes == copy.nbytes + sum({id(s.buffer): s.buffer.nbytes for s in two.segments}.values()) + (
+        two.tokens.nbytes + (0 if two.logits is None else two.logits.nbytes)
+    )
+    try:
+        with two.restore_source(0) as (data, held):
+            assert held == two.n_tokens and np.shares_memory(data, copy.data) and not data.flags.writeable
+            assert np.array_equal(_restore_and_read_back(llm, data, None), assembled)
+        nbytes = two.nbytes
+        assert copy.release() == len(assembled) and copy.data is None and copy.release() == 0
+        assert two.needs_assembly(0) and two.nbytes == nbytes - len(assembled)
+        assert all(identity is not copy for identity, _ in two.memory_blocks())
+        with two.restore_source(0) as (data, held):
+            assert held == two.n_tokens
+            assert np.array_equal(_restore_and_read_back(llm, data, None), assembled)
+    finally:
+        llm.reset()
+        llm.eval(llm.tokenize(TEXT))
+
+
+def test_views_of_an_extended_state_share_its_copy_and_restore_from_it_then_cut(llm: Llama) -> None:
+    two = _states(llm)["two segments"]
+    view = two.prefix(two.n_tokens - 2, logits=None)
+    copy = view.restore_copy
+    assert copy is two.restore_copy and copy is not None and copy.data is not None
+    assert two.without_logits().restore_copy is copy
+    assert not view.needs_assembly(0)
+    try:
+        with view.restore_source(0) as (data, held):
+            assert held == two.n_tokens and np.shares_memory(data, copy.data)
+            restored = _restore_and_read_back(llm, data, view.n_tokens)
+        assert np.array_equal(restored, serialize_segments(view.layout, list(view.segments), 0))  # type: ignore[arg-type]
+    finally:
+        llm.reset()
+        llm.eval(llm.tokenize(TEXT))
+    far = two.prefix(4, logits=None)  # fewer than half the copy's tokens: assembled, as far views are
+    assert far.restore_copy is copy and far.needs_assembly(0)
+
+
+def test_an_extension_without_new_tokens_keeps_no_copy_of_its_own(llm: Llama) -> None:
+    whole = _canonical(llm)
+    same = whole.extended(whole.n_tokens, whole.tokens, None, 0, llm._read_seq_bytes())
+    assert same.restore_copy is None and not same.needs_assembly(0)
+    two = _states(llm)["two segments"]
+    again = two.extended(two.n_tokens, two.tokens, None, 0, llm._read_seq_bytes())
+    assert again.restore_copy is two.restore_copy

@@ -33,6 +33,7 @@ from llama_cache.caches.base import (
 )
 from llama_cache.index import Match, RadixIndex
 from llama_cache.state.fingerprint import model_fingerprint
+from llama_cache.state.llama_state import RestoreCopy
 from llama_cache.state.values import filing_key, holds_same_state
 from llama_cache.tokens import as_token_array
 
@@ -64,7 +65,9 @@ class IndexedMemoryCache(BaseLlamaCache):
     :class:`~llama_cache.index.RadixIndex`). Eviction drops least recently used entries until the
     charged bytes fit ``capacity_bytes``. Memory blocks shared by several stored states (llama-cache's
     own states share the KV of their common prefix) are charged once, when the first holder is stored,
-    and released when the last one leaves.
+    and released when the last one leaves. Restore copies (:class:`~llama_cache.state.llama_state.RestoreCopy`,
+    bytes kept beside a state only to restore it faster) are charged too, and released, oldest charged
+    first, before any entry is evicted: they never cost an entry its place.
 
     Values are stored by reference, never copied: the caller must not mutate a state after storing it.
     All methods are thread-safe (one re-entrant lock per cache).
@@ -91,6 +94,7 @@ class IndexedMemoryCache(BaseLlamaCache):
         self._clock = 0
         self._lru: OrderedDict[_Entry, None] = OrderedDict()
         self._blocks: dict[Hashable, list[int]] = {}  # identity -> [holders, nbytes]
+        self._copies: dict[RestoreCopy, None] = {}  # charged restore copies, oldest charged first
         self._size = 0
         self._hits = self._misses = self._evictions = self._rejected = self._writes = self._store_errors = 0
 
@@ -226,7 +230,6 @@ class IndexedMemoryCache(BaseLlamaCache):
                 self._store_errors += 1
             logger.warning("not caching a %s: %s", type(value).__name__, error)
             return
-        total = sum(size for _, size in blocks)
         with self._lock:
             namespace = self._filed_under(value)
             index = self._indexes.get(namespace)
@@ -238,6 +241,14 @@ class IndexedMemoryCache(BaseLlamaCache):
                 return
             if previous is not None:
                 self._drop(previous)
+            total = sum(size for _, size in blocks)
+            if total > self.capacity_bytes:
+                # Its restore copy would be the first thing released: store the state without it.
+                for identity, _ in blocks:
+                    if isinstance(identity, RestoreCopy):
+                        self._release(identity)
+                blocks = [(identity, size) for identity, size in blocks if not isinstance(identity, RestoreCopy)]
+                total = sum(size for _, size in blocks)
             if total > self.capacity_bytes:
                 self._rejected += 1
                 logger.info(
@@ -252,6 +263,9 @@ class IndexedMemoryCache(BaseLlamaCache):
             self._lru[entry] = None
             self._writes += 1
             while self._size > self.capacity_bytes:
+                if self._copies:
+                    self._release(next(iter(self._copies)))
+                    continue
                 victim = next(iter(self._lru))
                 self._drop(victim)
                 self._evictions += 1
@@ -291,6 +305,7 @@ class IndexedMemoryCache(BaseLlamaCache):
             self._indexes.clear()
             self._lru.clear()
             self._blocks.clear()
+            self._copies.clear()
             self._size = 0
 
     def stats(self) -> CacheStats:
@@ -318,6 +333,8 @@ class IndexedMemoryCache(BaseLlamaCache):
             if holders is None:
                 self._blocks[identity] = [1, size]
                 self._size += size
+                if isinstance(identity, RestoreCopy):
+                    self._copies[identity] = None
             else:
                 holders[0] += 1
 
@@ -333,6 +350,20 @@ class IndexedMemoryCache(BaseLlamaCache):
             if holders[0] == 0:
                 del self._blocks[identity]
                 self._size -= holders[1]
+                if isinstance(identity, RestoreCopy):
+                    self._copies.pop(identity, None)
+
+    def _release(self, copy: RestoreCopy) -> None:
+        """Release a restore copy and stop charging it (its holders keep their place, at 0 bytes).
+
+        A copy some other cache released already is uncharged here too.
+        """
+        copy.release()
+        self._copies.pop(copy, None)
+        holders = self._blocks.get(copy)
+        if holders is not None:
+            self._size -= holders[1]
+            holders[1] = 0
 
 
 def _checked(fingerprint: object) -> str | None:

@@ -39,6 +39,54 @@ so far; ``RESTORE_STAGING.clear()`` gives them back to the system.
 """
 
 
+class RestoreCopy:
+    """llama.cpp's bytes for a whole sequence, kept beside a segmented state so that restoring it copies nothing.
+
+    A state extended from another shares that state's KV and owns only its new tokens' (a segment of
+    its own): restoring it would first assemble its segments into one buffer, which llama.cpp then
+    copies again, about twice a canonical restore. The bytes llama.cpp handed over when the state was
+    saved are that buffer already: keeping them costs the state's full size in memory and nothing in
+    time. The state, its twin without logits and its prefix views share one copy (a view restores from
+    it and cuts the tokens past its own, as from a parent's bytes).
+
+    Caches charge a copy as one memory block and release it (:meth:`release`) under memory pressure
+    before evicting any entry: a copy only uses budget no entry needs. A released copy frees its bytes
+    once no restore still reads them; the states holding it restore by assembly again.
+
+    Thread-safety: :meth:`release` may run while another thread restores from the copy; that restore
+    holds its own reference to the bytes and completes.
+    """
+
+    __slots__ = ("_data", "n_tokens", "seq_id")
+
+    def __init__(self, data: Bytes, n_tokens: int, seq_id: int) -> None:
+        self._data: Bytes | None = data
+        self.n_tokens = n_tokens
+        """Tokens the bytes hold (the state that made the copy): at least those of any state holding it."""
+        self.seq_id = seq_id
+        """The sequence the bytes name: they restore as they are into that sequence only."""
+
+    @property
+    def data(self) -> Bytes | None:
+        """The bytes, or None once released."""
+        return self._data
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: 0 once released."""
+        data = self._data
+        return 0 if data is None else int(data.nbytes)
+
+    def release(self) -> int:
+        """Drop the bytes (idempotent). Returns how many bytes this call dropped."""
+        freed = self.nbytes
+        self._data = None
+        return freed
+
+    def __repr__(self) -> str:
+        return f"RestoreCopy(n_tokens={self.n_tokens}, seq_id={self.seq_id}, nbytes={self.nbytes})"
+
+
 class IncompatibleStateError(KeyError):
     """A state cannot be restored here: made by another model or KV layout, or refused by llama.cpp.
 
@@ -57,15 +105,18 @@ class LlamaState:
     decode), llama.cpp's per-sequence memory, the sampling seed and the fingerprint of the model that
     made it. Transformer KV is held as :class:`~llama_cache.state.kv_layout.KVSegment`\\ s that
     several states can share: a state extended from another owns only its new tokens' KV.
-    Other memory (recurrent, hybrid, unusual layouts) is held as opaque llama.cpp bytes.
+    Other memory (recurrent, hybrid, unusual layouts) is held as opaque llama.cpp bytes. An extended
+    state also keeps llama.cpp's bytes for its whole sequence (a :class:`RestoreCopy`) until a cache
+    releases them, so that restoring it copies no segments.
 
-    States are immutable once made; share them freely between threads and caches.
+    States are immutable once made (releasing a restore copy changes only how fast they restore); share
+    them freely between threads and caches.
 
     The attribute names of llama-cpp-python's ``LlamaState`` are kept (``input_ids``, ``scores``,
     ``n_tokens``, ``llama_state``, ``llama_state_size``, ``seed``) so code written for it reads ours.
     """
 
-    __slots__ = ("tokens", "logits", "seed", "fingerprint", "_layout", "_segments", "_opaque", "_canonical")
+    __slots__ = ("tokens", "logits", "seed", "fingerprint", "_layout", "_segments", "_opaque", "_canonical", "_copy")
 
     def __init__(
         self,
@@ -92,6 +143,8 @@ class LlamaState:
         # llama.cpp's own bytes for this state, when they are exactly what serialising the segments would
         # produce for the sequence id recorded in them: restoring then copies nothing.
         self._canonical: tuple[Bytes, int] | None = None
+        # llama.cpp's bytes for this state or a longer one it is the head of, beside the segments.
+        self._copy: RestoreCopy | None = None
 
     @classmethod
     def from_seq_bytes(
@@ -132,6 +185,11 @@ class LlamaState:
     @property
     def segments(self) -> tuple[KVSegment, ...]:
         return self._segments
+
+    @property
+    def restore_copy(self) -> RestoreCopy | None:
+        """The :class:`RestoreCopy` this state restores from, if it holds one (released or not)."""
+        return self._copy
 
     def seq_bytes(self, seq_id: int = 0) -> Bytes:
         """llama.cpp's per-sequence bytes for this state, ready for ``llama_state_seq_set_data``.
@@ -174,21 +232,41 @@ class LlamaState:
 
         Like :meth:`restore_bytes`, with one more way to skip assembly: a view of the first tokens of
         a state made from llama.cpp's bytes (the prompt's state cut from prompt + completion) is lent
-        its parent's bytes whole, when those hold fewer than twice its tokens. The tokens held are
-        then more than :attr:`n_tokens`, and after ``llama_state_seq_set_data`` the caller removes
-        positions ``n_tokens`` onwards (``llama_memory_seq_rm(memory, seq_id, n_tokens, -1)``): the
-        sequence is then exactly this state's, restored at the cost of a canonical state's.
+        its parent's bytes whole, and a view of an extended state its parent's :class:`RestoreCopy`,
+        when those hold fewer than twice its tokens. The tokens held are then more than
+        :attr:`n_tokens`, and after ``llama_state_seq_set_data`` the caller removes positions
+        ``n_tokens`` onwards (``llama_memory_seq_rm(memory, seq_id, n_tokens, -1)``): the sequence is
+        then exactly this state's, restored at the cost of a canonical state's.
 
         Yields:
             ``(data, held)``: read-only contiguous bytes for ``llama_state_seq_set_data`` and the
             number of tokens they hold (``held >= n_tokens``).
         """
-        parent = self._parent_bytes(seq_id)
-        if parent is not None:
-            yield _read_only(parent[0]), parent[1]
+        held = self._held_bytes(seq_id)
+        if held is not None:
+            yield _read_only(held[0]), held[1]
             return
         with self.restore_bytes(seq_id) as data:
             yield data, self.n_tokens
+
+    def _held_bytes(self, seq_id: int) -> tuple[Bytes, int] | None:
+        """llama.cpp's bytes of a longer sequence this state is the head of, and their token count.
+
+        Its restore copy if not released, else its segment's buffer (:meth:`_parent_bytes`), when they
+        hold at most ``_MAX_PARENT_EXTRA`` more tokens. None when the state holds its own bytes whole
+        (:meth:`_direct_bytes`).
+        """
+        if self._direct_bytes(seq_id) is not None:
+            return None
+        copy = self._copy
+        data = None if copy is None else copy.data
+        if copy is not None and data is not None and copy.seq_id == seq_id and self._close_enough(copy.n_tokens):
+            return data, copy.n_tokens
+        return self._parent_bytes(seq_id)
+
+    def _close_enough(self, held: int) -> bool:
+        """Whether restoring ``held`` tokens and cutting the rest beats assembling this state's own."""
+        return self.n_tokens <= held <= self.n_tokens * (1 + _MAX_PARENT_EXTRA)
 
     def _parent_bytes(self, seq_id: int) -> tuple[Bytes, int] | None:
         """llama.cpp's canonical bytes this state's only segment is the head of, and their token count.
@@ -196,14 +274,14 @@ class LlamaState:
         None unless the segment's buffer is such bytes for ``seq_id``, the segment's first layer sits
         where parsing them puts it, and they hold at most ``_MAX_PARENT_EXTRA`` more tokens.
         """
-        if self._layout is None or len(self._segments) != 1 or self._direct_bytes(seq_id) is not None:
+        if self._layout is None or len(self._segments) != 1:
             return None
         segment = self._segments[0]
         buffer = segment.buffer
         if buffer.ndim != 1 or len(buffer) < 16 or not buffer.flags.c_contiguous:
             return None
         held = int(buffer[12:16].view("<u4")[0])
-        if not self.n_tokens <= held <= self.n_tokens * (1 + _MAX_PARENT_EXTRA):
+        if not self._close_enough(held):
             return None
         if len(buffer) != self._layout.serialized_size(held) or int(buffer[:4].view("<u4")[0]) != SEQ_STATE_MAGIC:
             return None
@@ -217,10 +295,10 @@ class LlamaState:
     def needs_assembly(self, seq_id: int = 0) -> bool:
         """Whether restoring into ``seq_id`` through :meth:`restore_source` copies KV segments first.
 
-        False for opaque states, for states holding llama.cpp's own bytes for that sequence and for
-        views restored from their parent's bytes.
+        False for opaque states, for states holding llama.cpp's own bytes for that sequence (a
+        :class:`RestoreCopy` not released included) and for views restored from their parent's bytes.
         """
-        return self._direct_bytes(seq_id) is None and self._parent_bytes(seq_id) is None
+        return self._direct_bytes(seq_id) is None and self._held_bytes(seq_id) is None
 
     def _direct_bytes(self, seq_id: int) -> Bytes | None:
         """The bytes this state holds whole, if they are what restoring it into ``seq_id`` needs."""
@@ -228,6 +306,10 @@ class LlamaState:
             return self._opaque
         if self._canonical is not None and self._canonical[1] == seq_id:
             return self._canonical[0]
+        copy = self._copy
+        data = None if copy is None else copy.data
+        if copy is not None and data is not None and copy.seq_id == seq_id and copy.n_tokens == self.n_tokens:
+            return data
         return None
 
     def _stage_ahead(self) -> LlamaState:
@@ -237,7 +319,11 @@ class LlamaState:
         return self
 
     def memory_blocks(self) -> list[MemoryBlock]:
-        """The buffers this state holds, for caches that charge shared buffers once."""
+        """The buffers this state holds, for caches that charge shared buffers once.
+
+        A :class:`RestoreCopy` not released is one block, identified by the copy itself: caches that
+        find one among a state's blocks may release it to make room.
+        """
         blocks: list[MemoryBlock] = [(id(self.tokens), int(self.tokens.nbytes))]
         if self.logits is not None:
             blocks.append((id(self.logits), int(self.logits.nbytes)))
@@ -245,15 +331,19 @@ class LlamaState:
             blocks.append((id(self._opaque), int(self._opaque.nbytes)))
         for segment in self._segments:
             blocks.append((id(segment.buffer), int(segment.buffer.nbytes)))
+        copy = self._copy
+        copy_bytes = 0 if copy is None else copy.nbytes
+        if copy is not None and copy_bytes:
+            blocks.append((copy, copy_bytes))
         return blocks
 
     @property
     def nbytes(self) -> int:
-        """Bytes this state holds (shared segment buffers counted in full, once each)."""
+        """Bytes this state holds (shared segment buffers and a restore copy counted in full, once each)."""
         return sum(size for _, size in {identity: size for identity, size in self.memory_blocks()}.items())
 
     def prefix(self, n_tokens: int, logits: npt.NDArray[np.float32] | None) -> LlamaState:
-        """The state of this state's first ``n_tokens`` tokens, sharing its KV (no copy).
+        """The state of this state's first ``n_tokens`` tokens, sharing its KV and restore copy (no copy).
 
         Only segmented (transformer) states can be cut; ``logits`` must be the row after token
         ``n_tokens - 1``, or None.
@@ -265,14 +355,16 @@ class LlamaState:
             raise ValueError("opaque (recurrent or unrecognised) state cannot be cut")
         if not 0 < n_tokens <= self.n_tokens:
             raise ValueError(f"prefix length {n_tokens} outside 1..{self.n_tokens}")
-        return LlamaState(
+        state = LlamaState(
             self.tokens[:n_tokens],
             logits,
             self.seed,
             self.fingerprint,
             layout=self._layout,
             segments=tuple(_head_segments(self._segments, n_tokens, self._layout)),
-        )._stage_ahead()
+        )
+        state._copy = self._copy
+        return state._stage_ahead()
 
     def without_logits(self) -> LlamaState:
         """This state without its logits row, sharing everything else (no copy)."""
@@ -281,6 +373,7 @@ class LlamaState:
         state = LlamaState(self.tokens, None, self.seed, self.fingerprint, layout=self._layout,
                            segments=self._segments, opaque=self._opaque)
         state._canonical = self._canonical
+        state._copy = self._copy
         return state
 
     def extended(
@@ -294,8 +387,11 @@ class LlamaState:
         """A state for ``tokens`` whose first ``shared_tokens`` have this state's KV.
 
         ``seq_bytes`` is llama.cpp's serialisation of the whole new sequence; only the KV of the new
-        positions is copied out of it, the rest is shared with this state. Falls back to a state
-        owning ``seq_bytes`` when the bytes do not parse into this state's layout.
+        positions is copied out of it, the rest is shared with this state. When the new state would
+        need assembling and the bytes are in canonical form, they are kept too, as its
+        :class:`RestoreCopy` (taken over, no copy): restoring it then copies nothing, for as long as no
+        cache releases them. Falls back to a state owning ``seq_bytes`` when the bytes do not parse
+        into this state's layout.
         """
         parsed = parse_seq_state(seq_bytes)
         if (
@@ -311,6 +407,11 @@ class LlamaState:
         if len(tokens) > shared_tokens:
             segments.append(whole.slice_copy(shared_tokens, layout))
         state = LlamaState(tokens, logits, seed, self.fingerprint, layout=layout, segments=tuple(segments))
+        if len(tokens) == shared_tokens:
+            state._copy = self._copy  # a head of this state: restored as its views are
+        canonical_seq = canonical_seq_id(seq_bytes, len(tokens))
+        if canonical_seq is not None and state.needs_assembly(canonical_seq):
+            state._copy = RestoreCopy(seq_bytes, len(tokens), canonical_seq)
         return state._stage_ahead()
 
     # -- llama-cpp-python compatible names --------------------------------------------------------
