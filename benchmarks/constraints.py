@@ -51,6 +51,7 @@ import llguidance
 import numpy as np
 import numpy.typing as npt
 
+from benchmarks.machine import finish, machine, write
 from llama_cache import default_model_path
 from llama_cache.llama import Llama
 from llama_cache.server.config import ServerConfig
@@ -345,8 +346,7 @@ def main() -> int:
     result: dict[str, Any] = {
         "benchmark": "constraints",
         "command": "tools/run python benchmarks/constraints.py",
-        "machine": platform.platform(),
-        "cpus": os.cpu_count(),
+        "machine": machine(),
         "versions": {"llama_cpp_python": llama_cpp.__version__, "llguidance": llguidance.__version__,
                      "numpy": np.__version__, "python": platform.python_version()},
         "settings": {"model": default_model_path().name, "rounds": args.rounds, "max_tokens": args.max_tokens,
@@ -354,12 +354,13 @@ def main() -> int:
     }
     result["ours"] = ours(llama, prompts, args.rounds, args.max_tokens)
     llama.close()
+    write(args.out, result)  # what is done so far, if llama-cpp-python's side fails
     result["gbnf"] = gbnf(prompts, args.max_tokens, args.gbnf_timeout)
     result["load_average"] = {"before": load_before, "after": os.getloadavg()}
     result["verdict"] = verdict(result)
+    finish(result)
+    write(args.out, result)
     print(report(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nJSON written to {args.out}")
     return 0
 

@@ -53,7 +53,6 @@ import dataclasses
 import io
 import json
 import os
-import platform
 import random
 import shutil
 import statistics
@@ -70,6 +69,7 @@ import llama_cpp.llama_cache as upstream
 import numpy as np
 
 from benchmarks.disk import drop_from_page_cache, table
+from benchmarks.machine import finish, machine, write
 from llama_cache import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.caches.disk import DATA_DIR, INDEX_FILE, LlamaDiskCache
@@ -737,6 +737,7 @@ def main() -> int:
         return 0
     sub_conv = min(args.theirs_conversations, args.conversations)
     sub_turns = min(args.theirs_turns, args.turns)
+    described = machine()
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     phases: dict[str, float] = {}
@@ -799,7 +800,7 @@ def main() -> int:
 
     out: dict[str, Any] = {
         "benchmark": "dedup", "command": " ".join(["tools/run python benchmarks/dedup.py"] + sys.argv[1:]),
-        "machine": platform.platform(), "cpus": os.cpu_count(),
+        "machine": described,
         "workload": {"conversations": args.conversations, "turns": args.turns, "max_tokens": args.max_tokens,
                      "system_tokens": system_tokens, "n_ctx": args.n_ctx, "completions": len(completions),
                      "stores": len(stores)},
@@ -811,9 +812,9 @@ def main() -> int:
         "elapsed_s": time.perf_counter() - started, "phases_s": phases,
     }
     out["targets"] = targets(out)
+    finish(out)
+    write(args.out, out)
     report(out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"\n{out['elapsed_s']:.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
           + f"); JSON written to {args.out}")
     return 0

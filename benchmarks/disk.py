@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.machine import finish, machine, write
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "disk.json"
 VOCAB = 49_152
@@ -522,17 +524,20 @@ def main() -> int:
     sizes = [10, 100] if args.quick else [10, 1_000, 10_000]
     n_tokens = 300 if args.quick else 1_500
     repeat = 3 if args.quick else 5
-    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    results: dict[str, Any] = {"machine": machine(), "settings": {"quick": args.quick, "sizes": sizes,
+                                                                  "prompt_tokens": n_tokens, "repeat": repeat}}
     with tempfile.TemporaryDirectory(prefix="llama-cache-disk-bench-") as tmp:
         workdir = Path(tmp)
         results["lookup"] = bench_lookups(sizes, workdir / "lookup", their_budget_s=60 if args.quick else 150)
+        write(args.out, results)  # each section as it is done, if a later one fails
         llm, state, tokens, eval_s = real_state(n_tokens)
         results["cold_ttft_s"] = eval_s
         print(f"\n(cold time to first token of the {len(tokens)}-token prompt: {eval_s:.1f} s)")
         results["throughput"] = bench_throughput(state, workdir / "throughput", repeat)
+        write(args.out, results)
         results["ttft"] = bench_ttft(llm, state, tokens, workdir / "ttft", repeat)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    finish(results)
+    write(args.out, results)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -138,7 +138,11 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats per measurement")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    # Here, not at the top: the children run this file with the old commit's tree on PYTHONPATH.
+    from benchmarks.machine import finish, machine, write
+
     repeat = 2 if args.quick else 5
+    described = machine()
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="llama-cache-disk-io-") as tmp:
         old = Path(tmp) / "before"
@@ -159,14 +163,14 @@ def main() -> int:
     table(rows)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     results = {
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "machine": described,
         "settings": {"before": args.before, "after": commit.stdout.strip(), "rounds": args.rounds, "repeat": repeat,
                      "row_bytes": ROW, "big_tokens": BIG_TOKENS},
         "medians": medians,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    finish(results)
+    write(args.out, results)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.disk import drop_from_page_cache
+from benchmarks.machine import finish, machine, write
 from llama_cache.state import fingerprint
 
 
@@ -53,6 +53,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fingerprint.json"))
     args = parser.parse_args()
     size = int(args.gib * (1 << 30))
+    described = machine()
     with tempfile.TemporaryDirectory(dir=".") as workdir:
         os.environ["LLAMA_CACHE_HOME"] = str(Path(workdir) / "home")
         path = Path(workdir) / "model.gguf"
@@ -86,8 +87,9 @@ def main() -> int:
     for name, seconds in rows:
         rate = size / seconds / 1e9 if "whole file" in name and seconds > 0 else float("nan")
         print(f"{name:<{width}}  {seconds:>9.4f}  {rate:>6.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"bytes": size, "seconds": dict(rows)}, indent=2))
+    results = {"machine": described, "bytes": size, "seconds": dict(rows)}
+    finish(results)
+    write(args.out, results)
     return 0
 
 

@@ -2,12 +2,15 @@
 
 Run from the repository root:
 
-    tools/run python benchmarks/lookup.py
+    tools/run python benchmarks/lookup.py [--sizes 10,1000,10000] [--out benchmarks/results/lookup.json]
+    tools/run python benchmarks/lookup.py --sizes 10,1000   # a quick sanity check
 
 At 10, 1,000 and 10,000 entries of about 2,000 tokens each, it times ``cache[query]`` for
 ``llama_cache.LlamaRAMCache``, ``llama_cache.LlamaTrieCache`` and ``llama_cpp.llama_cache.LlamaRAMCache``
 side by side in one run, and measures the memory their lookup structures hold per stored token. It prints
-a table to stdout (a progress bar goes to stderr) and writes ``benchmarks/results/lookup.json``.
+a table to stdout (a progress bar goes to stderr) and writes ``benchmarks/results/lookup.json`` (the
+machine, the versions, the workload, every size's results and the targets' verdicts), rewritten after every
+size, so a failure leaves the sizes done so far.
 
 Workload (seeded, so every run sees the same tokens; ids in 0..49151):
 
@@ -46,17 +49,15 @@ Memory:
 * a second workload of 1,000 keys of 2,000 random tokens sharing nothing checks the target of under
   16 bytes of index per stored token where the tree cannot share prefixes.
 
-Targets (from the issue): at 10,000 entries a lookup under 1 ms and at least 1,000x faster than
+Targets (from the issue), judged at the largest size run: at 10,000 entries a lookup under 1 ms and at least 1,000x faster than
 llama-cpp-python's linear scan (ratio of the overall medians); index memory under 16 B per stored token
 where keys share nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
-import importlib.metadata
-import json
-import platform
 import statistics
 import sys
 import time
@@ -66,12 +67,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import llama_cpp
 import llama_cpp.llama_cache as upstream
 import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
+from benchmarks.machine import finish, machine, write
 from llama_cache import LlamaRAMCache, LlamaTrieCache
 
 SEED = 20240611
@@ -488,32 +489,22 @@ def run_disjoint(rng: np.random.Generator) -> dict[str, Any]:
     return summary
 
 
-def environment() -> dict[str, Any]:
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "numpy": np.__version__,
-        "llama_cpp_python": llama_cpp.__version__,
-        "llama_cache": importlib.metadata.version("llama-cache"),
-        "seed": SEED,
-    }
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=lambda text: [int(n) for n in text.split(",")], default=list(SIZES),
+                        help="entries per size, comma-separated (default 10,1000,10000; the targets are "
+                        "judged at the largest)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
     started = time.perf_counter()
     rng = np.random.default_rng(SEED)
-    pool = shared_prefix_keys(rng, max(SIZES))
-    sizes = [run_size(rng, pool, entries) for entries in SIZES]
-    disjoint = run_disjoint(rng)
-    targets = check_targets(sizes, disjoint)
-    print_latency(sizes)
-    print_memory(sizes, disjoint)
-    print_targets(targets)
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "lookup",
-        "command": "tools/run python benchmarks/lookup.py",
-        "environment": environment(),
+        "command": "tools/run python benchmarks/lookup.py" + (f" --sizes {','.join(map(str, args.sizes))}"
+                                                              if args.sizes != list(SIZES) else ""),
+        "machine": machine(),
         "workload": {
+            "seed": SEED,
             "vocab": VOCAB,
             "system_prompts": SYSTEM_PROMPTS,
             "system_tokens": SYSTEM_TOKENS,
@@ -527,14 +518,22 @@ def main() -> None:
             "their_repetitions": THEIR_REPS,
             "gc_disabled_while_timing": True,
         },
-        "sizes": sizes,
-        "disjoint_keys": disjoint,
-        "targets": targets,
-        "seconds": time.perf_counter() - started,
+        "sizes": [],
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {RESULTS} ({report['seconds']:.0f} s)")
+    pool = shared_prefix_keys(rng, max(args.sizes))
+    for entries in args.sizes:
+        report["sizes"].append(run_size(rng, pool, entries))
+        write(args.out, report)  # what is done so far, if a later size fails
+    disjoint = run_disjoint(rng)
+    report["disjoint_keys"] = disjoint
+    report["targets"] = check_targets(report["sizes"], disjoint)
+    report["seconds"] = time.perf_counter() - started
+    finish(report)
+    write(args.out, report)
+    print_latency(report["sizes"])
+    print_memory(report["sizes"], disjoint)
+    print_targets(report["targets"])
+    print(f"\nwrote {args.out} ({report['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

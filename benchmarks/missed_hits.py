@@ -9,7 +9,8 @@ Scenarios (each run with llama-cpp-python's cache and with ours, in alternating 
 - **recurrent repeat**: the same model, ``ctx_checkpoints=0``: a question, a follow-up that moves the
   live context past it, then the question again.
 
-Prints a table and writes ``benchmarks/results/missed_hits.json``.
+Prints a table and writes ``benchmarks/results/missed_hits.json`` (the machine and versions under
+``machine``, the counts per scenario and side under ``scenarios``).
 
     tools/run python benchmarks/missed_hits.py
 """
@@ -17,7 +18,6 @@ Prints a table and writes ``benchmarks/results/missed_hits.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +27,7 @@ import llama_cpp
 import llama_cpp.llama_cache as upstream
 
 import llama_cache
+from benchmarks.machine import finish, machine, write
 from llama_cache.measure import recording_evals
 from llama_cache.testing.tiny_models import write_tiny_model
 
@@ -91,6 +92,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/missed_hits.json"))
     args = parser.parse_args()
+    described = machine()
     model = str(llama_cache.default_model_path())
     results: dict[str, dict[str, dict[str, int]]] = {}
     with tempfile.TemporaryDirectory() as workdir:
@@ -118,8 +120,9 @@ def main() -> int:
             f"{name:<44} {row['llama-cache']['prompt']:>7} {row['llama-cpp-python'][field]:>17} "
             f"{row['llama-cache'][field]:>12}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    report = {"machine": described, "scenarios": results}
+    finish(report)
+    write(args.out, report)
     return 0
 
 

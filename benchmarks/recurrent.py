@@ -16,14 +16,14 @@ the distinct buffers its cache's entries hold (``llama_cache.state.memory.memory
 checkpoints are reported beside it.
 
 Target: from the second turn on, ours evaluates at most the tokens since the latest checkpoint on the
-new prompt's path (the bound is printed per turn). Prints a table and writes
-``benchmarks/results/recurrent.json``.
+new prompt's path (the bound is printed per turn). Prints a table and the verdict per model and writes
+``benchmarks/results/recurrent.json`` (the machine, the versions, the settings, every turn, the verdicts),
+rewritten after each model.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +32,7 @@ from typing import Any
 import llama_cpp
 from tqdm import tqdm
 
+from benchmarks.machine import finish, machine, write
 from llama_cache import LlamaRAMCache, default_model_path
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.llama import Llama
@@ -104,6 +105,14 @@ def _bound(llm: Llama, before: tuple[list[int], list[tuple[int, str]]]) -> int:
     return len(prompt) - max(reusable, default=0)
 
 
+def _verdict(turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """The target on our turns from the second on: evaluated tokens at most the turn's bound."""
+    judged = [row for row in turns if row["turn"] >= 2 and row["bound"] is not None]
+    within = sum(1 for row in judged if row["evaluated"] <= row["bound"])
+    verdict = "not measured" if not judged else "met" if within == len(judged) else "not met"
+    return {"turns": len(judged), "within": within, "verdict": verdict}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=6)
@@ -112,6 +121,10 @@ def main() -> int:
     args = parser.parse_args()
 
     results: dict[str, Any] = {}
+    report: dict[str, Any] = {"machine": machine(), "settings": {"turns": args.turns,
+                                                                "history_tokens": args.history_tokens,
+                                                                "checkpoint_interval": INTERVAL},
+                              "architectures": results}
     with tempfile.TemporaryDirectory() as scratch, tqdm(
         total=2 * len(ARCHITECTURES) * args.turns, desc="recurrent chat", unit="turn", leave=False
     ) as progress:
@@ -140,6 +153,7 @@ def main() -> int:
             }
             theirs.close()
             ours.close()
+            write(args.out, report)  # each model as it is done, if a later one fails
 
     for arch, data in results.items():
         print(f"\n{arch}: ~{args.history_tokens}-token history, model kept between turns")
@@ -153,8 +167,13 @@ def main() -> int:
               f"{memory['theirs_bytes'] / 2**20:.1f} MiB in {memory['theirs_entries']} entries, ours "
               f"{memory['ours_bytes'] / 2**20:.1f} MiB in {memory['ours_entries']} entries "
               f"+ {memory['ours_checkpoint_bytes'] / 2**20:.2f} MiB of checkpoints")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    report["targets"] = {arch: _verdict(data["ours"]) for arch, data in results.items()}
+    print()
+    for arch, target in report["targets"].items():
+        print(f"{arch}: target, from turn 2 on ours evaluates at most the tokens since its latest checkpoint: "
+              f"{target['within']} of {target['turns']} turns within: {target['verdict'].upper()}")
+    finish(report)
+    write(args.out, report)
     print(f"\nJSON written to {args.out}")
     return 0
 

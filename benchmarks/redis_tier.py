@@ -56,7 +56,6 @@ import csv
 import io
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -69,6 +68,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.disk import fsync_file, table
+from benchmarks.machine import finish, machine, write
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "redis_tier.json"
@@ -677,8 +677,7 @@ def main() -> int:
     started = time.perf_counter()
     results: dict[str, Any] = {
         "benchmark": "redis_tier", "command": "tools/run python benchmarks/redis_tier.py " + " ".join(sys.argv[1:]),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-                    "load_average_start": os.getloadavg(), "llama_threads": args.threads},
+        "machine": machine() | {"llama_threads": args.threads},
     }
     with RedisServer() as server, tempfile.TemporaryDirectory(prefix="llama-cache-redis-bench-") as tmp:
         results["redis_server"] = server.cli("info", "server").split("redis_version:")[-1].split()[0]
@@ -703,7 +702,7 @@ def main() -> int:
             results["memory"] = bench_memory(server, pick(args.conversations, 20, 3), pick(args.turns, 5, 2),
                                              pick(args.system_tokens, 1000, 300), pick(args.max_tokens, 48, 16),
                                              args.threads)
-    results["machine"]["load_average_end"] = os.getloadavg()
+    finish(results)
     results["seconds"] = time.perf_counter() - started
 
     targets = []
@@ -730,8 +729,7 @@ def main() -> int:
     table(f"Targets of issue #11 (one run, {results['seconds'] / 60:.1f} min; load average "
           f"{results['machine']['load_average_start'][0]:.1f} at the start, "
           f"{results['machine']['load_average_end'][0]:.1f} at the end)", ["target", "measured", ""], targets)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=float) + "\n")
+    write(args.out, results)
     print(f"\nwrote {args.out}")
     return 0
 

@@ -44,7 +44,6 @@ import argparse
 import ctypes
 import gc
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -55,6 +54,7 @@ from typing import Any
 import llama_cpp
 import numpy as np
 
+from benchmarks.machine import finish, machine, write
 from llama_cache import default_model_path
 from llama_cache.bench import document_tokens
 from llama_cache.llama import Llama
@@ -212,6 +212,7 @@ def main() -> int:
         print(json.dumps(child(args.child, args.prompt_tokens, args.later, args.rotation)))
         return 0
 
+    described = machine()
     runs: list[dict[str, Any]] = []
     for index in range(args.processes):
         # Paths in a rotating order, so drift on a shared machine does not favour one of them.
@@ -224,17 +225,20 @@ def main() -> int:
             print(f"process {len(runs)}/{args.processes * len(args.paths)} ({path}) done", file=sys.stderr)
     summary = summarize(runs, args.paths)
     print(report(summary, runs))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
+    results = {
         "benchmark": "restore",
         "command": "tools/run python benchmarks/restore.py",
-        "machine": platform.platform(),
+        "machine": described,
         "prompt_tokens": args.prompt_tokens,
         "ratio_target": RATIO_TARGET,
         "verdict": "MET" if all(row["within_target"] for row in summary.values()) else "NOT MET",
+        "processes": args.processes,
+        "later": args.later,
         "summary": summary,
         "runs": runs,
-    }, indent=2) + "\n")
+    }
+    finish(results)
+    write(args.out, results)
     print(f"\nJSON written to {args.out}")
     return 0
 

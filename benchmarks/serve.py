@@ -13,8 +13,9 @@ Servers, each started as a subprocess on a free port:
 - ``llama-cache serve --parallel 4`` (RAM prompt cache);
 - llama-cpp-python's server, ``python -m llama_cpp.server --cache true`` (one request at a time, a new
   request interrupts a running stream), twice: ``llama-cpp-python`` with every setting below equal to the
-  others', and ``llama-cpp-python-defaults`` with only the context size and the cache set, as its users
-  run it (half the logical CPUs generating, flash attention off);
+  others' and ``--logits_all false``, and ``llama-cpp-python-defaults`` with only the context size and the
+  cache set, as its users run it (``logits_all`` on, half the logical CPUs generating, flash attention
+  off);
 - llama.cpp's ``llama-server -np 4`` (host-memory prompt cache), from ``$LLAMA_SERVER`` or
   ``~/.cache/llama-cache/llama-server/llama-server``; skipped with a message when absent. Build it once
   (outside the repository) from the llama.cpp sources vendored in llama-cpp-python's sdist::
@@ -33,25 +34,31 @@ llama-server's ``-c`` is split between its slots, so it gets ``n_ctx * parallel`
 for prompts and for generation (``--threads``, default one per physical core: llama-server's own
 default, which the others are given explicitly, since llama-cpp-python would generate on half the
 logical CPUs), batch and micro-batch (512, llama-cpp-python's default) and flash attention
-(``--flash-attn``, default on: llama-server's ``auto`` turns it on for the CPU). Everything else is
-each server's own default, llama-cpp-python's ``logits_all=True`` included (its server needs it for
-logprobs). The settings are printed with the table and written to the JSON.
+(``--flash-attn``, default on: llama-server's ``auto`` turns it on for the CPU), and no logits kept for
+every token: llama-cpp-python's server defaults to ``logits_all=True`` (its logprobs need it), which
+makes every save into and load from its cache copy an n_tokens x n_vocab scores matrix (up to about
+400 MB at n_ctx 2048 with the default model); ``--logits_all false`` shrinks that matrix to n_batch
+rows, which it still copies. Everything else is each server's own default. Every side's settings and
+command line are printed with the table and written to the JSON.
 
 The runs are interleaved (every server at one concurrency, then the next concurrency, then the next
-round: ``--rounds``), so that a slow spell of a shared machine falls on every server alike; the table
-shows each measure's median over the rounds, then the issue's targets as ratios of those medians.
+round: ``--rounds``, default 3), so that a slow spell of a shared machine falls on every server alike,
+and the order of the servers rotates from round to round, so that none always runs first. The table
+shows each measure's median over the rounds and its spread (min-max); the issue's targets are ratios of
+those medians, each with the script's verdict (met, not met, or not measured).
 
 ``--with-api-key`` adds ``llama-cache-key``: ours started with ``--api-key`` (a random key), every
-request carrying ``Authorization: Bearer``, run right after ``llama-cache`` (the two take turns going
-first from round to round); the targets then give its times over ours without a key (at most 1.01x: key
-checking and limits cost at most 1%). It is skipped with a message when this checkout's ``llama-cache
-serve`` has no ``--api-key``.
+request carrying ``Authorization: Bearer``, placed right after ``llama-cache`` in the rotation; the
+targets then give its times over ours without a key (at most 1.01x: key checking and limits cost at
+most 1%). It is skipped with a message when this checkout's ``llama-cache serve`` has no ``--api-key``.
 
-Prints a table and writes ``benchmarks/results/serve.json``::
+Prints a table and writes ``benchmarks/results/serve.json`` (the machine, the versions, every side's
+settings, every run, the medians and spreads, the verdicts), rewritten after every run, so a failure
+leaves the runs done so far::
 
     tools/run python benchmarks/serve.py [--servers llama-cache,llama-server,llama-cpp-python,...]
         [--rounds R] [--threads N] [--flash-attn on|off] [--with-api-key]
-    tools/run python benchmarks/serve.py --users 2 --turns 2 --concurrency 1   # a quick sanity check
+    tools/run python benchmarks/serve.py --users 2 --turns 2 --concurrency 1 --rounds 1   # a quick sanity check
     tools/run python benchmarks/serve.py --servers llama-cache --with-api-key --rounds 5   # the key's cost
 
 ``--scenario noisy`` runs ``benchmarks/serve_noisy.py`` instead (normal requests' latency beside clients
@@ -63,7 +70,6 @@ against 4 separate requests, beside llama-server; see its docstring).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -83,6 +89,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.machine import finish, machine, write
 from llama_cache import default_model_path
 from llama_cache.server.config import N_BATCH, on_off, physical_cores
 
@@ -303,7 +310,7 @@ def _commands(name: str, model: Path, settings: Settings, port: int, llama_serve
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
                 "--n_ctx", str(s.n_ctx), "--cache", "true", "--n_threads", str(s.threads),
                 "--n_threads_batch", str(s.threads), "--n_batch", str(s.n_batch), "--n_ubatch", str(s.n_batch),
-                "--flash_attn", str(s.flash_attn).lower()]
+                "--flash_attn", str(s.flash_attn).lower(), "--logits_all", "false"]
     if name == "llama-cpp-python-defaults":  # what its users get: only the context size and the cache set
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
                 "--n_ctx", str(s.n_ctx), "--cache", "true"]
@@ -345,27 +352,6 @@ def _serve_takes_api_key(env: dict[str, str]) -> bool:
     return "--api-key" in done.stdout
 
 
-def machine() -> dict[str, Any]:
-    """The CPU model, logical and physical cores, memory, load and software versions of this run."""
-    import platform
-
-    import llama_cpp
-
-    cpu = "unknown"
-    memory = None
-    with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-        memory = next((int(line.split()[1]) << 10 for line in Path("/proc/meminfo").read_text().splitlines()
-                       if line.startswith("MemTotal:")), None)
-    commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": physical_cores(), "memory_bytes": memory,
-            "platform": platform.platform(), "python": platform.python_version(),
-            "llama_cpp_python": llama_cpp.__version__, "llama_cache_commit": commit or None,
-            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
-
-
 def llama_server_version(llama_server: Path | None) -> str | None:
     """``llama-server --version``'s line naming its build (its llama.cpp commit), or None."""
     if llama_server is None:
@@ -392,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--with-api-key", action="store_true",
                         help="also run llama-cache with --api-key (llama-cache-key), every request carrying it")
     parser.add_argument("--concurrency", default="1,4")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run every server this many times, interleaved; the table shows medians")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="run every server this many times, interleaved, in a rotating order; the table shows "
+                        "medians and spreads (default 3)")
     parser.add_argument("--users", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -427,17 +414,13 @@ def main(argv: list[str] | None = None) -> int:
                                "n_ubatch": settings.n_batch, "flash_attn": settings.flash_attn,
                                "users": args.users, "turns": args.turns, "max_tokens": args.max_tokens,
                                "rounds": args.rounds, "machine": machine(),
-                               "llama_server_version": llama_server_version(llama_server), "servers": {}}
+                               "llama_server_version": llama_server_version(llama_server),
+                               "sides": {name: LABELS[name] for name in names}, "commands": {}, "servers": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # Interleaved (round, level, server): a slow spell of this shared machine hits every server alike.
     for round_number in range(args.rounds):
-        order = list(names)
-        if round_number % 2 and "llama-cache-key" in order and "llama-cache" in order:
-            # ours with and without a key differ by about 1%: neither always runs first.
-            i, j = order.index("llama-cache"), order.index("llama-cache-key")
-            order[i], order[j] = order[j], order[i]
         for concurrency in levels:
-            for name in order:
+            for name in rotation(names, round_number):
                 command = _commands(name, model, settings, _free_port(), llama_server, api_key)
                 assert command is not None
                 port = int(command[command.index("--port") + 1])
@@ -447,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_number + 1}/{args.rounds}: {name}, concurrency {concurrency}...",
                       file=sys.stderr, flush=True)
                 # The last run's (ports differ); the key is a fresh random one per run.
-                results.setdefault("commands", {})[name] = [c if c != api_key else "KEY" for c in command]
+                results["commands"][name] = [c if c != api_key else "KEY" for c in command]
                 # A fresh server per run: no run starts with another's cache.
                 headers = {"Authorization": f"Bearer {api_key}"} if name.endswith("-key") else None
                 with _server(command, port, env, log, headers) as url:
@@ -455,9 +438,11 @@ def main(argv: list[str] | None = None) -> int:
                     row["server_metrics"] = _cache_metrics(url, headers)
                 row["round"] = round_number
                 results["servers"].setdefault(name, []).append(row)
+                write(args.out, results)  # what is done so far, if a later run fails
     results["summary"] = _summary(results)
     results["targets"] = _targets(results["summary"])
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    finish(results)
+    write(args.out, results)
     print(_table(results))
     print(_targets_text(results["targets"]))
     print(f"\nwritten to {args.out}")
@@ -465,49 +450,86 @@ def main(argv: list[str] | None = None) -> int:
 
 
 SERVERS = ("llama-cache", "llama-server", "llama-cpp-python", "llama-cpp-python-defaults")
+# What each server is, for the table and the JSON; the exact command lines are in the JSON's "commands".
+LABELS = {
+    "llama-cache": "llama-cache serve, RAM prompt cache; the shared settings",
+    "llama-cache-key": "llama-cache serve with --api-key, every request carrying it; the shared settings",
+    "llama-server": "llama.cpp's llama-server, host-memory prompt cache; the shared settings",
+    "llama-cpp-python": "llama-cpp-python's server, cache on; the shared settings, logits_all off",
+    "llama-cpp-python-defaults": "llama-cpp-python's server, cache on; its defaults but n_ctx (logits_all on, "
+                                 "half the logical CPUs generating, flash attention off)",
+}
 # Ours with --api-key over ours without (--with-api-key): key checking and limits cost at most 1%.
 KEY_COST_TARGET = 1.01
 _SUMMARISED = ("ttft_first_p50", "ttft_first_p95", "ttft_later_p50", "ttft_later_p95", "whole_run_s",
                "interrupted_streams")
 
 
-def _summary(results: dict[str, Any]) -> dict[str, dict[str, dict[str, float | None]]]:
-    """Per server and concurrency, each measure's median over the rounds."""
-    summary: dict[str, dict[str, dict[str, float | None]]] = {}
+def rotation(names: list[str], round_number: int) -> list[str]:
+    """The order of the servers in round ``round_number``: ``names`` rotated by one more each round, so
+    that over ``len(names)`` rounds every server runs once in every position."""
+    shift = round_number % len(names) if names else 0
+    return names[shift:] + names[:shift]
+
+
+def _summary(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per server and concurrency, each measure's median over the rounds and its spread (``<key>_spread``:
+    min and max), the number of rounds, and the lowest and highest load average seen."""
+    summary: dict[str, dict[str, dict[str, Any]]] = {}
     for name, rows in results["servers"].items():
         for concurrency in sorted({row["concurrency"] for row in rows}):
             runs = [row for row in rows if row["concurrency"] == concurrency]
-            summary.setdefault(name, {})[str(concurrency)] = {
-                key: (statistics.median(values) if (values := [r[key] for r in runs if r[key] is not None]) else None)
-                for key in _SUMMARISED
-            } | {"load_average": [min(r["load_average"][0] for r in runs), max(r["load_average"][1] for r in runs)]}
+            row: dict[str, Any] = {"rounds": len(runs)}
+            for key in _SUMMARISED:
+                values = [r[key] for r in runs if r[key] is not None]
+                row[key] = statistics.median(values) if values else None
+                row[f"{key}_spread"] = [min(values), max(values)] if values else None
+            row["load_average"] = [min(r["load_average"][0] for r in runs), max(r["load_average"][1] for r in runs)]
+            summary.setdefault(name, {})[str(concurrency)] = row
     return summary
 
 
-def _targets(summary: dict[str, Any]) -> dict[str, dict[str, float | None]]:
-    """The issue's ratios per concurrency: ours against llama-server's and llama-cpp-python's servers.
+# (name, numerator's server, denominator's server, measure, at most or at least, target): each a ratio of
+# the two servers' medians. Ours over llama-server's time; llama-cpp-python's over ours (a speed-up).
+_TARGETS = (
+    ("later_vs_llama_server", "llama-cache", "llama-server", "ttft_later_p50", "<=", 1.0),
+    ("whole_vs_llama_server", "llama-cache", "llama-server", "whole_run_s", "<=", 1.1),
+    ("later_speedup_over_llama-cpp-python", "llama-cpp-python", "llama-cache", "ttft_later_p50", ">=", 5.0),
+    ("whole_speedup_over_llama-cpp-python", "llama-cpp-python", "llama-cache", "whole_run_s", ">=", 2.0),
+    ("later_speedup_over_llama-cpp-python-defaults", "llama-cpp-python-defaults", "llama-cache", "ttft_later_p50",
+     ">=", 5.0),
+    ("whole_speedup_over_llama-cpp-python-defaults", "llama-cpp-python-defaults", "llama-cache", "whole_run_s",
+     ">=", 2.0),
+    ("key_later_vs_no_key", "llama-cache-key", "llama-cache", "ttft_later_p50", "<=", KEY_COST_TARGET),
+    ("key_whole_vs_no_key", "llama-cache-key", "llama-cache", "whole_run_s", "<=", KEY_COST_TARGET),
+)
 
-    ``later_vs_llama_server`` (target at most 1.0) and ``whole_vs_llama_server`` (at most 1.1) are our
-    time over theirs; ``later_speedup_over_*`` (at least 5) and ``whole_speedup_over_*`` (at least 2)
-    are their time over ours; ``key_later_vs_no_key`` and ``key_whole_vs_no_key`` (at most
-    :data:`KEY_COST_TARGET`) are ours with an API key over ours without.
+
+def _targets(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
+    """The issue's targets per concurrency, each ``{"ratio", "target", "verdict"}``.
+
+    The ratio is of the two servers' medians; its range (``ratio_range``: the lowest and highest ratio the
+    two spreads allow) says how far the rounds let it move. The verdict is ``met`` or ``not met`` on the
+    ratio of medians, ``not measured`` when either server did not run. ``later_vs_llama_server`` (at most
+    1.0) and ``whole_vs_llama_server`` (at most 1.1) are our time over llama-server's;
+    ``later_speedup_over_*`` (at least 5) and ``whole_speedup_over_*`` (at least 2) are
+    llama-cpp-python's time over ours; ``key_*_vs_no_key`` (at most :data:`KEY_COST_TARGET`) are ours
+    with an API key over ours without.
     """
-    ours = summary.get("llama-cache", {})
-    targets: dict[str, dict[str, float | None]] = {}
-    for concurrency, row in ours.items():
-        ratios: dict[str, float | None] = {}
-        for other, key in (("llama-server", "vs_llama_server"),):
-            theirs = summary.get(other, {}).get(concurrency)
-            ratios[f"later_{key}"] = _ratio(row["ttft_later_p50"], theirs and theirs["ttft_later_p50"])
-            ratios[f"whole_{key}"] = _ratio(row["whole_run_s"], theirs and theirs["whole_run_s"])
-        for other in ("llama-cpp-python", "llama-cpp-python-defaults"):
-            theirs = summary.get(other, {}).get(concurrency)
-            ratios[f"later_speedup_over_{other}"] = _ratio(theirs and theirs["ttft_later_p50"], row["ttft_later_p50"])
-            ratios[f"whole_speedup_over_{other}"] = _ratio(theirs and theirs["whole_run_s"], row["whole_run_s"])
-        keyed = summary.get("llama-cache-key", {}).get(concurrency)
-        ratios["key_later_vs_no_key"] = _ratio(keyed and keyed["ttft_later_p50"], row["ttft_later_p50"])
-        ratios["key_whole_vs_no_key"] = _ratio(keyed and keyed["whole_run_s"], row["whole_run_s"])
-        targets[concurrency] = ratios
+    targets: dict[str, dict[str, dict[str, Any]]] = {}
+    for concurrency in summary.get("llama-cache", {}):
+        for name, top, bottom, key, sense, bound in _TARGETS:
+            high = summary.get(top, {}).get(concurrency)
+            low = summary.get(bottom, {}).get(concurrency)
+            ratio = _ratio(high and high[key], low and low[key])
+            spread = None
+            if ratio is not None and high[f"{key}_spread"] and low[f"{key}_spread"]:
+                spread = [_ratio(high[f"{key}_spread"][0], low[f"{key}_spread"][1]),
+                          _ratio(high[f"{key}_spread"][1], low[f"{key}_spread"][0])]
+            met = ratio is not None and (ratio <= bound if sense == "<=" else ratio >= bound)
+            targets.setdefault(concurrency, {})[name] = {
+                "ratio": ratio, "ratio_range": spread, "target": f"{sense} {bound:.2f}x",
+                "verdict": "not measured" if ratio is None else "met" if met else "not met"}
     return targets
 
 
@@ -515,23 +537,18 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return None if not numerator or not denominator else numerator / denominator
 
 
-def _targets_text(targets: dict[str, dict[str, float | None]]) -> str:
+def _targets_text(targets: dict[str, dict[str, dict[str, Any]]]) -> str:
     def r(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
-    lines = ["", "the issue's targets, llama-cache against (ratios of medians):"]
-    for concurrency, t in targets.items():
-        lines.append(
-            f"  concurrency {concurrency}: later turns {r(t['later_vs_llama_server'])} llama-server's time (target "
-            f"<= 1.00x), {r(t['later_speedup_over_llama-cpp-python'])} faster than llama-cpp-python's (>= 5x; "
-            f"its defaults: {r(t['later_speedup_over_llama-cpp-python-defaults'])}); whole run "
-            f"{r(t['whole_vs_llama_server'])} llama-server's (<= 1.10x), "
-            f"{r(t['whole_speedup_over_llama-cpp-python'])} faster than llama-cpp-python's (>= 2x; its defaults: "
-            f"{r(t['whole_speedup_over_llama-cpp-python-defaults'])})")
-        if t["key_whole_vs_no_key"] is not None:
-            lines.append(f"  concurrency {concurrency}: with --api-key, whole run {r(t['key_whole_vs_no_key'])} and "
-                         f"later turns {r(t['key_later_vs_no_key'])} of ours without a key "
-                         f"(target <= {KEY_COST_TARGET:.2f}x)")
+    lines = ["", "the issue's targets (ratios of medians; in brackets the range the rounds' spreads allow):"]
+    for concurrency, each in targets.items():
+        for name, t in each.items():
+            if t["verdict"] == "not measured" and name.startswith("key_"):
+                continue  # --with-api-key not given
+            within = f" ({r(t['ratio_range'][0])}-{r(t['ratio_range'][1])})" if t["ratio_range"] else ""
+            lines.append(f"  concurrency {concurrency}: {name:<45} {r(t['ratio']):>7}{within:<18} target "
+                         f"{t['target']:<9} {t['verdict'].upper()}")
     return "\n".join(lines)
 
 
@@ -539,20 +556,27 @@ def _table(results: dict[str, Any]) -> str:
     def s(value: float | None) -> str:
         return "-" if value is None else f"{value:.3f}"
 
+    def spread(row: dict[str, Any], key: str) -> str:
+        low_high = row[f"{key}_spread"]
+        return f"{s(row[key])} ({s(low_high[0])}-{s(low_high[1])})" if low_high else "-"
+
     lines = [
         f"{results['users']} users x {results['turns']} turns, {results['max_tokens']} tokens per answer, "
-        f"model {results['model']}",
-        f"every server: n_ctx {results['n_ctx']} per request, {results['parallel']} slots where it has them, "
-        f"{results['threads']} threads (prompt and generation), batch {results['n_batch']}/{results['n_ubatch']}, "
-        f"flash attention {'on' if results['flash_attn'] else 'off'}",
-        f"{'server':<25} {'conc':>4} {'TTFT t1 p50':>11} {'t1 p95':>7} {'later p50':>9} {'later p95':>9} "
-        f"{'whole run s':>11} {'cut':>4} {'load':>10}",
+        f"model {results['model']}, {results['rounds']} round(s) in a rotating order; machine "
+        f"{results['machine']['cpu']}, {results['machine']['logical_cpus']} CPUs",
+        f"shared settings: n_ctx {results['n_ctx']} per request, {results['parallel']} slots where a server has "
+        f"them, {results['threads']} threads (prompt and generation), batch {results['n_batch']}/"
+        f"{results['n_ubatch']}, flash attention {'on' if results['flash_attn'] else 'off'}",
+        *(f"  {name}: {label}" for name, label in results["sides"].items()),
+        "seconds, median over rounds (min-max):",
+        f"{'server':<25} {'conc':>4} {'TTFT t1 p50':>23} {'later p50':>23} {'later p95':>23} "
+        f"{'whole run s':>23} {'cut':>4} {'load':>10}",
     ]
     for name, levels in results["summary"].items():
         for concurrency, row in levels.items():
             lines.append(
-                f"{name:<25} {concurrency:>4} {s(row['ttft_first_p50']):>11} {s(row['ttft_first_p95']):>7} "
-                f"{s(row['ttft_later_p50']):>9} {s(row['ttft_later_p95']):>9} {row['whole_run_s']:>11.2f} "
+                f"{name:<25} {concurrency:>4} {spread(row, 'ttft_first_p50'):>23} {spread(row, 'ttft_later_p50'):>23} "
+                f"{spread(row, 'ttft_later_p95'):>23} {spread(row, 'whole_run_s'):>23} "
                 f"{row['interrupted_streams']:>4.0f} {row['load_average'][0]:>4.1f}-{row['load_average'][1]:<4.1f}"
             )
     return "\n".join(lines)

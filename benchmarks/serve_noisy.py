@@ -69,6 +69,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.machine import machine
 from benchmarks.serve import (
     DEFAULT_LLAMA_SERVER,
     REPO,
@@ -82,7 +83,6 @@ from benchmarks.serve import (
     _server,
     _text,
     llama_server_version,
-    machine,
 )
 from llama_cache import default_model_path
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, on_off, physical_cores

@@ -73,6 +73,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.machine import machine
 from benchmarks.serve import (
     DEFAULT_LLAMA_SERVER,
     REPO,
@@ -83,7 +84,6 @@ from benchmarks.serve import (
     _server,
     _text,
     llama_server_version,
-    machine,
 )
 from llama_cache import default_model_path
 from llama_cache.server.config import on_off, physical_cores

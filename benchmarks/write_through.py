@@ -25,7 +25,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.serve import machine  # noqa: E402
+from benchmarks.machine import machine  # noqa: E402
 from llama_cache.server import ServerConfig  # noqa: E402
 from llama_cache.testing.redis_server import RedisServer  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402

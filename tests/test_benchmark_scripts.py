@@ -1,0 +1,120 @@
+"""The benchmark scripts' own logic: the settings they give each side, their order, summaries and verdicts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks import serve
+from benchmarks.machine import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _llama_cpp_python_settings(command: list[str]) -> Any:
+    """The model settings llama-cpp-python's server builds from ``command`` (``python -m llama_cpp.server ...``),
+    parsed the way its ``__main__`` parses them."""
+    from llama_cpp.server.cli import add_args_from_model, parse_model_from_args
+    from llama_cpp.server.settings import ModelSettings, Settings
+
+    assert command[1:3] == ["-m", "llama_cpp.server"]
+    parser = argparse.ArgumentParser()
+    add_args_from_model(parser, Settings)
+    return parse_model_from_args(ModelSettings, parser.parse_args(command[3:]))
+
+
+def test_llama_cpp_python_keeps_no_scores_matrix_in_the_equal_row_only(tmp_path: Path) -> None:
+    settings = serve.Settings(n_ctx=2048, parallel=4, threads=2, flash_attn=True)
+    model = tmp_path / "model.gguf"
+    equal = _llama_cpp_python_settings(serve._commands("llama-cpp-python", model, settings, 8000, None))
+    defaults = _llama_cpp_python_settings(serve._commands("llama-cpp-python-defaults", model, settings, 8000, None))
+    assert equal.logits_all is False
+    assert (equal.n_ctx, equal.n_threads, equal.n_threads_batch, equal.n_batch, equal.flash_attn) == (
+        2048, 2, 2, 512, True)
+    assert defaults.logits_all is True  # its own default, as its users run it
+    assert defaults.n_ctx == 2048
+
+
+def test_every_server_runs_once_in_every_position() -> None:
+    names = ["llama-cache", "llama-server", "llama-cpp-python", "llama-cpp-python-defaults"]
+    orders = [serve.rotation(names, round_number) for round_number in range(len(names))]
+    assert all(sorted(order) == sorted(names) for order in orders)
+    for position in range(len(names)):
+        assert sorted(order[position] for order in orders) == sorted(names)
+    assert serve.rotation(names, len(names)) == names
+
+
+def _run(server: str, concurrency: int, later_p50: float, whole: float) -> dict[str, Any]:
+    return {"server": server, "concurrency": concurrency, "ttft_first_p50": 1.0, "ttft_first_p95": 1.0,
+            "ttft_later_p50": later_p50, "ttft_later_p95": later_p50, "whole_run_s": whole,
+            "interrupted_streams": 0, "load_average": [1.0, 2.0]}
+
+
+def test_targets_are_ratios_of_medians_with_spreads_and_verdicts() -> None:
+    ours = [(0.10, 20.0), (0.12, 21.0), (0.50, 60.0)]  # one slow round: a mean would miss every target
+    theirs = [(0.13, 20.0), (0.14, 22.0), (0.11, 19.0)]
+    slow = [(0.70, 45.0), (0.60, 41.0), (0.65, 43.0)]
+    runs = {"llama-cache": ours, "llama-server": theirs, "llama-cpp-python": slow}
+    results = {"servers": {name: [_run(name, 1, later, whole) for later, whole in rows]
+                           for name, rows in runs.items()}}
+    summary = serve._summary(results)
+    row = summary["llama-cache"]["1"]
+    assert row["rounds"] == 3
+    assert row["ttft_later_p50"] == 0.12
+    assert row["ttft_later_p50_spread"] == [0.10, 0.50]
+    assert row["whole_run_s_spread"] == [20.0, 60.0]
+    targets = serve._targets(summary)["1"]
+    later = targets["later_vs_llama_server"]
+    assert later["ratio"] == 0.12 / 0.13
+    assert later["ratio_range"] == [0.10 / 0.14, 0.50 / 0.11]
+    assert (later["target"], later["verdict"]) == ("<= 1.00x", "met")
+    assert targets["whole_vs_llama_server"]["ratio"] == 21.0 / 20.0
+    assert targets["whole_vs_llama_server"]["verdict"] == "met"
+    assert targets["later_speedup_over_llama-cpp-python"]["ratio"] == 0.65 / 0.12
+    assert targets["later_speedup_over_llama-cpp-python"]["verdict"] == "met"
+    assert targets["whole_speedup_over_llama-cpp-python"]["ratio"] == 43.0 / 21.0
+    assert targets["whole_speedup_over_llama-cpp-python"]["verdict"] == "met"
+    assert targets["later_speedup_over_llama-cpp-python-defaults"]["verdict"] == "not measured"
+    assert targets["key_whole_vs_no_key"]["verdict"] == "not measured"
+    results["servers"]["llama-server"] = [_run("llama-server", 1, 0.11, whole) for _, whole in theirs]
+    assert serve._targets(serve._summary(results))["1"]["later_vs_llama_server"]["verdict"] == "not met"
+
+
+def test_machine_names_the_checkouts_version_without_package_metadata() -> None:
+    declared = re.search(r'^version = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert declared is not None
+    described = machine()
+    assert described["llama_cache"] == declared.group(1)
+    assert described["logical_cpus"] == os.cpu_count()
+    assert described["memory_bytes"] > 0
+    assert len(described["load_average_start"]) == 3
+
+
+def test_lookup_runs_from_a_checkout_that_is_not_installed(tmp_path: Path) -> None:
+    """Run from a checkout on PYTHONPATH, as ``tools/run`` runs it, with llama-cache's package metadata
+    unreadable (no egg-info, no dist-info), the smallest size: the JSON is written, with the machine."""
+    out = tmp_path / "lookup.json"
+    hide_metadata = (
+        "import importlib.metadata as m, runpy, sys\n"
+        "real = m.version\n"
+        "def version(name):\n"
+        "    if name.replace('_', '-') == 'llama-cache':\n"
+        "        raise m.PackageNotFoundError(name)\n"
+        "    return real(name)\n"
+        "m.version = version\n"
+        f"sys.argv = ['lookup.py', '--sizes', '10', '--out', {str(out)!r}]\n"
+        f"runpy.run_path({str(ROOT / 'benchmarks' / 'lookup.py')!r}, run_name='__main__')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", hide_metadata], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert [size["entries"] for size in report["sizes"]] == [10]
+    assert report["machine"]["llama_cache"] is not None
+    assert set(report["targets"]) == {"llama_cache.LlamaRAMCache", "llama_cache.LlamaTrieCache"}
