@@ -524,33 +524,25 @@ def test_a_plain_llama_cpp_llama_uses_the_tiered_cache(tmp_path: Path) -> None:
 
 
 def test_write_through_stores_in_every_tier_before_returning() -> None:
-    fast, slow = LlamaRAMCache(capacity_bytes=10**8), LlamaRAMCache(capacity_bytes=10**8)
-    tiered = TieredCache([fast, slow], write_through=True)
-    try:
-        key = [1, 2, 3, 4]
-        tiered[key] = make_cut_state(key)
-        assert len(slow) == 1 and slow.match_length(key) == len(key)  # there already: no flush
-    finally:
-        tiered.close()
+    class Recording(LlamaRAMCache):
+        """Records the thread each store ran in."""
 
+        threads: list[threading.Thread] = []
 
-@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
-def test_hits_served_by_a_faster_tier_keep_entries_recent_in_slower_ones() -> None:
-    from llama_cache import LlamaRedisCache
-    from tests.test_redis import redis_size
+        def __setitem__(self, key: Sequence[int], value: Any) -> None:
+            self.threads.append(threading.current_thread())
+            super().__setitem__(key, value)
 
-    with RedisServer() as server:
-        first, second, third = (make_cut_state(tokens, 3000) for tokens in ([1, 2, 3], [4, 5, 6], [7, 8, 9]))
-        shared = LlamaRedisCache(server.url, 2 * redis_size(first) + redis_size(first) // 2, fingerprint="test")
-        cache = TieredCache([LlamaRAMCache(10**8), shared])
-        for state in (first, second):
-            cache[state.tokens] = state
-            cache.flush()
-        for _ in range(3):
-            assert tokens_of(cache[[1, 2, 3]]) == (1, 2, 3)
-        cache.flush()  # the writer passes the hits on
-        assert cache.tiers[0].stats().hits == 3 and shared.stats().hits == 0  # RAM answered
-        cache[third.tokens] = third
-        cache.flush()
-        # Redis evicted its least recently used entry: the one nobody asked for, not the one RAM serves.
-        assert [1, 2, 3] in shared and [4, 5, 6] not in shared and [7, 8, 9] in shared
+    for write_through in (True, False):
+        slow = Recording(capacity_bytes=10**8)
+        slow.threads = []
+        tiered = TieredCache([LlamaRAMCache(capacity_bytes=10**8), slow], write_through=write_through)
+        try:
+            key = [1, 2, 3, 4]
+            tiered[key] = make_cut_state(key)
+            tiered.flush()
+            assert slow.match_length(key) == len(key)
+            # Write-through stores in the caller's thread, before returning; otherwise the writer does.
+            assert (slow.threads == [threading.current_thread()]) == write_through
+        finally:
+            tiered.close()
