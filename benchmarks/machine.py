@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import platform
 import re
 import subprocess
 from pathlib import Path
 from typing import Any
+
+from llama_cache.measure import finish_conditions, machine_conditions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,31 +28,15 @@ def _llama_cache_version() -> str | None:
 
 
 def machine() -> dict[str, Any]:
-    """The CPU model, logical and physical cores, memory, load and software versions of this run."""
-    import llama_cpp
-    import numpy
-
-    from llama_cache.server.config import physical_cores
-
-    cpu = "unknown"
-    memory = None
-    with contextlib.suppress(OSError):
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), cpu)
-        memory = next((int(line.split()[1]) << 10 for line in Path("/proc/meminfo").read_text().splitlines()
-                       if line.startswith("MemTotal:")), None)
+    """:func:`llama_cache.measure.machine_conditions`, with the checkout's version and git commit."""
     commit = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"], capture_output=True,
                             text=True).stdout.strip()
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": physical_cores(), "memory_bytes": memory,
-            "platform": platform.platform(), "python": platform.python_version(), "numpy": numpy.__version__,
-            "llama_cpp_python": llama_cpp.__version__, "llama_cache": _llama_cache_version(),
-            "llama_cache_commit": commit or None,
-            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+    return {**machine_conditions(), "llama_cache": _llama_cache_version(), "llama_cache_commit": commit or None}
 
 
 def finish(results: dict[str, Any]) -> None:
     """Record the load average at the end of the run in ``results["machine"]``."""
-    results["machine"]["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    finish_conditions(results["machine"])
 
 
 def write(path: Path, results: dict[str, Any]) -> None:

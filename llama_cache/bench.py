@@ -29,7 +29,6 @@ form (llama.cpp's own bytes, handed over without assembly): the median and the l
 from __future__ import annotations
 
 import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -42,7 +41,8 @@ from tqdm import tqdm
 
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.llama import Llama
-from llama_cache.measure import RestoreTiming, recording_restores, timed_chat_completion, timed_completion
+from llama_cache.measure import (RestoreTiming, finish_conditions, machine_conditions, recording_restores, timed_chat_completion,
+                                 timed_completion)
 from llama_cache.state.llama_state import RESTORE_STAGING, LlamaState
 from llama_cache.state.memory import memory_blocks
 
@@ -108,6 +108,7 @@ def _request(setup: Setup, prompt: list[int]) -> tuple[float, int]:
 
 def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> str:
     """Run every scenario, write JSON to ``out`` and return the report (a table)."""
+    machine = machine_conditions()
     common = {"model_path": str(model_path), "n_ctx": 4096, "n_batch": 512, "seed": 0, "verbose": False}
     theirs_cache = llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=8 << 30)
     ours_cache = LlamaRAMCache(capacity_bytes=8 << 30)
@@ -160,10 +161,11 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> st
     entry_bytes["staging_bytes"] = float(RESTORE_STAGING.idle_nbytes)
 
     report = _report(results, chat, chat_restores, entry_bytes, len(document))
+    finish_conditions(machine)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "model": model_path.name,
-        "machine": platform.platform(),
+        "machine": machine,
         "prompt_tokens": len(document),
         "scenarios": [asdict(r) for r in results],
         "chat": chat,

@@ -1,15 +1,20 @@
 """Measuring completions: time to first token and prompt tokens evaluated, for any ``llama_cpp.Llama``;
-and the time of each state restore.
+the time of each state restore; and the machine a measurement ran on.
 
 Used by the CLI's demo and benchmarks, and by tests that check how many tokens a cache saved.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
+import os
+import platform
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import llama_cpp
@@ -145,3 +150,38 @@ def timed_chat_completion(llm: llama_cpp.Llama, messages: list[dict[str, str]], 
         started = time.perf_counter()
         stream = llm.create_chat_completion(messages=messages, stream=True, **kwargs)
         return _consume(iter(stream), started, recorder, llm, chat=True)  # type: ignore[arg-type]
+
+
+def _installed_version() -> str | None:
+    """llama-cache's version from the installed distribution's metadata; None when run from a checkout."""
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        return importlib.metadata.version("llama-cache")
+    return None
+
+
+def machine_conditions() -> dict[str, Any]:
+    """The CPU model, logical and physical cores, memory, load average and software versions of this run.
+
+    Every benchmark's JSON carries it under ``"machine"``, so a number is read with the conditions it was
+    measured under; :func:`finish_conditions` adds the load average at the end.
+    """
+    import numpy
+
+    from llama_cache.server.config import physical_cores
+
+    cpu = "unknown"
+    memory = None
+    with contextlib.suppress(OSError):
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+        memory = next((int(line.split()[1]) << 10 for line in Path("/proc/meminfo").read_text().splitlines()
+                       if line.startswith("MemTotal:")), None)
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": physical_cores(), "memory_bytes": memory,
+            "platform": platform.platform(), "python": platform.python_version(), "numpy": numpy.__version__,
+            "llama_cpp_python": llama_cpp.__version__, "llama_cache": _installed_version(),
+            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def finish_conditions(machine: dict[str, Any]) -> None:
+    """Record the load average at the end of the run in ``machine`` (a :func:`machine_conditions` block)."""
+    machine["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
