@@ -84,6 +84,7 @@ from benchmarks.serve import (
     llama_server_version,
     machine,
 )
+from benchmarks.sse import read_stream
 from llama_cache import default_model_path
 from llama_cache.server.config import on_off
 from llama_cache.testing.deployment import Nginx, ServeProcess, nginx_config
@@ -180,34 +181,19 @@ def _ask(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tok
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    first: float | None = None
-    parts: list[str] = []
-    usage: dict[str, Any] = {}
-    timings: dict[str, Any] = {}
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as response:
         response.raise_for_status()
         upstream = _upstream(response)
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
-            choices = chunk.get("choices") or []
-            content = choices[0].get("delta", {}).get("content") if choices else None
-            if content:
-                if first is None:
-                    first = time.perf_counter()
-                parts.append(content)
-    end = time.perf_counter()
-    if timings:  # llama-server: cache_n reused, prompt_n evaluated
+        stream = read_stream(response.iter_lines(), start)
+    end = time.perf_counter() - start
+    if stream.timings:  # llama-server: cache_n reused, prompt_n evaluated
+        timings = stream.timings
         prompt, cached = int(timings["cache_n"]) + int(timings["prompt_n"]), int(timings["cache_n"])
     else:
+        usage = stream.usage or {}
         prompt, cached = int(usage["prompt_tokens"]), int(usage["prompt_tokens_details"]["cached_tokens"])
-    return "".join(parts), upstream, (first or end) - start, end - start, prompt, cached
+    first = stream.first_content
+    return stream.text, upstream, end if first is None else first, end, prompt, cached
 
 
 def round_robin_cycle(client: httpx.Client, url: str, instances: int) -> list[str]:

@@ -90,6 +90,7 @@ from typing import Any
 import httpx
 
 from benchmarks.machine import finish, machine, write
+from benchmarks.sse import read_stream
 from llama_cache import default_model_path
 from llama_cache.server.config import N_BATCH, on_off, physical_cores
 
@@ -160,27 +161,12 @@ def _ask(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tok
     """One streamed chat completion: (reply, TTFT, total seconds, ended with [DONE])."""
     body = {"model": "default", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     start = time.perf_counter()
-    first: float | None = None
-    parts: list[str] = []
-    done = False
     with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                done = True
-                break
-            chunk = json.loads(data)
-            choices = chunk.get("choices") or []
-            content = choices[0].get("delta", {}).get("content") if choices else None
-            if content:
-                if first is None:
-                    first = time.perf_counter()
-                parts.append(content)
-    end = time.perf_counter()
-    return "".join(parts), (first or end) - start, end - start, done
+        stream = read_stream(response.iter_lines(), start)
+    end = time.perf_counter() - start
+    first = stream.first_content
+    return stream.text, end if first is None else first, end, stream.done
 
 
 def run_workload(url: str, workload: Workload, concurrency: int,

@@ -70,6 +70,7 @@ from typing import Any
 import httpx
 
 from benchmarks.machine import machine
+from benchmarks.sse import Stream
 from benchmarks.serve import (
     DEFAULT_LLAMA_SERVER,
     REPO,
@@ -302,9 +303,8 @@ async def _normal(client: httpx.AsyncClient, url: str, rng: random.Random, reque
     for _ in range(requests):
         body = {"model": "default", "messages": [{"role": "user", "content": rng.choice(QUESTIONS)}],
                 "max_tokens": max_tokens, "temperature": 0, "stream": True}
-        start = time.perf_counter()
-        first: float | None = None
-        done = False
+        stream = Stream()
+        start = stream.started
         try:
             async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
                 if response.status_code != 200:
@@ -312,31 +312,26 @@ async def _normal(client: httpx.AsyncClient, url: str, rng: random.Random, reque
                     phase.failed[str(response.status_code)] += 1
                     continue
                 async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
+                    if not stream.feed(line):
                         break
-                    choices = json.loads(data).get("choices") or []
-                    if first is None and choices and choices[0].get("delta", {}).get("content"):
-                        first = time.perf_counter()
         except asyncio.CancelledError:  # the phase is over: this request's time so far is a lower bound
-            now = time.perf_counter()
-            phase.ttft.append((first or now) - start)
+            now = time.perf_counter() - start
+            first = stream.first_content
+            phase.ttft.append(now if first is None else first)
             phase.cut_ttft += first is None
-            phase.total.append(now - start)
+            phase.total.append(now)
             phase.cut_total += 1
             raise
         except httpx.HTTPError as error:
             phase.failed[type(error).__name__] += 1
             continue
-        end = time.perf_counter()
-        if not done:
+        end = time.perf_counter() - start
+        if not stream.done:
             phase.failed["no [DONE]"] += 1
             continue
-        phase.ttft.append((first or end) - start)
-        phase.total.append(end - start)
+        first = stream.first_content
+        phase.ttft.append(end if first is None else first)
+        phase.total.append(end)
 
 
 async def _send_and_leave(url: str, body: bytes, headers: dict[str, str]) -> None:

@@ -74,6 +74,7 @@ from typing import Any
 import httpx
 
 from benchmarks.machine import machine
+from benchmarks.sse import read_stream
 from benchmarks.serve import (
     DEFAULT_LLAMA_SERVER,
     REPO,
@@ -167,31 +168,15 @@ def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> Streame
     """Send ``body`` streamed to ``/v1/chat/completions`` and time its content deltas."""
     body = {**body, "model": "default", "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    stamps: list[float] = []
-    parts: list[str] = []
-    usage: dict[str, Any] | None = None
-    timings: dict[str, float] | None = None
     with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             response.read()
             return Streamed(response.status_code, error=_error(response))
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            usage = chunk.get("usage") or usage
-            timings = chunk.get("timings") or timings
-            choices = chunk.get("choices") or []
-            content = choices[0].get("delta", {}).get("content") if choices else None
-            if content:
-                stamps.append(time.perf_counter())
-                parts.append(content)
+        stream = read_stream(response.iter_lines(), start)
     end = time.perf_counter()
+    stamps, usage, timings = stream.content_times, stream.usage, stream.timings
     try:
-        valid = isinstance(json.loads("".join(parts)), dict)
+        valid = isinstance(json.loads(stream.text), dict)
     except ValueError:
         valid = False
     return Streamed(

@@ -16,9 +16,7 @@ import json
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -26,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.machine import machine  # noqa: E402
+from benchmarks.sse import read_stream  # noqa: E402
 from llama_cache.server import ServerConfig  # noqa: E402
 from llama_cache.testing.redis_server import RedisServer  # noqa: E402
 from tests.live_server import LiveServer  # noqa: E402
@@ -33,19 +32,11 @@ from tests.live_server import LiveServer  # noqa: E402
 
 def _stream(url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, float, float]:
     """(answer, seconds from the chunk before the last to the last, seconds for the whole answer)."""
-    started = time.monotonic()
-    arrivals: list[float] = []
-    text = []
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=600, json={
             "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as response:
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            arrivals.append(time.monotonic())
-            chunk = json.loads(line[6:])
-            if chunk.get("choices"):
-                text.append(chunk["choices"][0]["delta"].get("content") or "")
-    return "".join(text), arrivals[-1] - arrivals[-2], arrivals[-1] - started
+        stream = read_stream(response.iter_lines())
+    arrivals = stream.chunk_times
+    return stream.text, arrivals[-1] - arrivals[-2], arrivals[-1] - stream.started
 
 
 def main(argv: list[str] | None = None) -> int:
