@@ -7,6 +7,7 @@ Used by the CLI's demo and benchmarks, and by tests that check how many tokens a
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib.metadata
 import os
 import platform
@@ -179,6 +180,7 @@ def machine_conditions() -> dict[str, Any]:
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "physical_cores": physical_cores(), "memory_bytes": memory,
             "platform": platform.platform(), "python": platform.python_version(), "numpy": numpy.__version__,
             "llama_cpp_python": llama_cpp.__version__, "llama_cache": _installed_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "load_average_start": [round(x, 2) for x in os.getloadavg()]}
 
 
