@@ -1,0 +1,131 @@
+"""Every generated block of the README and ``docs/``, one renderer per block, from the result files.
+
+A renderer reads only ``benchmarks/results/*.json`` (through :class:`benchmarks.report.Results`) and
+states each number with the conditions of its run and the script's own verdict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.report import Results, conditions, ms, num, ratio, renders, spread, table, verdict
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{num(value)} s"
+
+
+# Serving: structured outputs and n (benchmarks/serve_structured.py) ------------------------------
+
+STRUCTURED_CASES = {"small_object": "small object", "nested_arrays": "nested object with arrays", "enum": "enum",
+                    "pattern": "string pattern", "json_object": "`json_object`"}
+
+
+@renders("serve-structured")
+def serve_structured(results: Results) -> str:
+    run = results["serve_structured"]
+    ours, theirs = run["summary"]["llama-cache"]["structured"], run["summary"]["llama-server"]["structured"]
+    targets = run["targets"]["structured"]
+    rows = []
+    for case, label in STRUCTURED_CASES.items():
+        mine, target = ours[case], targets[case]
+        rows.append([
+            label,
+            f"{ratio(target['per_token_overhead']['ratio'])} ({num(mine['constrained']['per_token_ms']['median'])}"
+            f" / {num(mine['unconstrained']['per_token_ms']['median'])} ms): "
+            f"{verdict(target['per_token_overhead']['verdict'])}",
+            f"{ratio(target['per_token_vs_llama_server']['ratio'], 3)}: "
+            f"{verdict(target['per_token_vs_llama_server']['verdict'])}",
+            f"{num(mine['constrained']['ttft_ms']['median'])} ({num(theirs[case]['constrained']['ttft_ms']['median'])})",
+            f"{spread(mine['constrained']['per_token_ms'])} / {spread(theirs[case]['constrained']['per_token_ms'])}",
+        ])
+    settings = run["servers_settings"]
+    head = (f"Both servers with n_ctx {settings['n_ctx']} per request, {settings['parallel']} slots, "
+            f"{settings['threads']} threads, batch {settings['n_batch']}, flash attention "
+            f"{'on' if settings['flash_attn'] else 'off'}; {run['rounds']} rounds, order rotated, each server started "
+            f"afresh per round; greedy, streamed, `max_tokens` {run['structured']['max_tokens']}. Targets: constrained "
+            "at most 1.2x unconstrained per token, and no slower than llama-server's constrained path.")
+    return "\n\n".join([
+        head,
+        table(["case", "ours per token, constrained / unconstrained (median ms)",
+               "ours / llama-server's constrained path, per token", "TTFT constrained, ms: ours (llama-server's)",
+               "per token constrained, ms: ours / llama-server's, median (min-max)"], rows),
+        conditions(run),
+    ])
+
+
+@renders("serve-structured-n")
+def serve_structured_n(results: Results) -> str:
+    run = results["serve_structured"]
+    ours, theirs = run["summary"]["llama-cache"]["n"], run["summary"]["llama-server"]["n"]
+    target = run["targets"]["n"]
+    settings = run["n"]
+    rows = [
+        ["prompt evaluated once", f"{num(ours['n4']['evaluated']['median'], 0)} of "
+         f"{num(ours['n4']['prompt_tokens']['median'], 0)} tokens ({target['prompt_evaluated_once']['rounds']})",
+         verdict(target["prompt_evaluated_once"]["verdict"])],
+        [f"`n = {settings['n']}` wall time / one prompt evaluation + {settings['n']} generations",
+         f"{ratio(target['wall_vs_prompt_plus_4_generations']['ratio'])} ({_seconds(ours['n4']['wall_s']['median'])})",
+         f"<= {target['wall_vs_prompt_plus_4_generations']['target']}x: "
+         f"{verdict(target['wall_vs_prompt_plus_4_generations']['verdict'])}"],
+        [f"`n = {settings['n']}` / {settings['n']} separate requests", ratio(target["wall_vs_separate4"]), "-"],
+        [f"`n = {settings['n']}` / llama-server's `n = {settings['n']}`",
+         f"{ratio(target['wall_vs_llama_server'])} (llama-server {_seconds(theirs['n4']['wall_s']['median'])})", "-"],
+    ]
+    return "\n\n".join([
+        f"Fresh ~{settings['prompt_words']}-word prompts, {settings['max_tokens']} tokens per choice, temperature "
+        f"{settings['temperature']}, medians over {run['rounds']} rounds:",
+        table(["what", "measured", "target"], rows),
+        conditions(run),
+    ])
+
+
+# Serving: write-through (benchmarks/write_through.py) --------------------------------------------
+
+@renders("write-through")
+def write_through(results: Results) -> str:
+    run = results["write_through"]
+    summary, settings = run["summary"], run["settings"]
+    rows = [[mode, spread(summary[mode]["last_chunk"], ms, " ms"), spread(summary[mode]["answer"], ms, " ms")]
+            for mode in ("on", "off")]
+    return "\n\n".join([
+        f"One conversation per mode, {settings['turns']} turns on a ~{settings['document_words']}-word document, "
+        f"{settings['max_tokens']} tokens per answer; median (min-max) over the turns:",
+        table(["`--redis-write-through`", "last chunk after the one before it", "whole answer"], rows),
+        f"Write-through adds {num(run['cost_ms'], 0)} ms to the last chunk (the median difference).",
+        conditions(run),
+    ])
+
+
+# Serving: scale-out behind nginx (benchmarks/scale.py) -------------------------------------------
+
+@renders("scale")
+def scale(results: Results) -> str:
+    run = results["scale"]
+    rows = []
+    for setup, summary in run["summary"].items():
+        rates = " / ".join(f"{rate:.0%}" for rate in summary["hit_rate_per_instance"])
+        rows.append([setup, num(summary["ttft_turn1"]["median"]), num(summary["ttft_turn2"]["median"]),
+                     num(summary["ttft_later"]["median"]), rates, _seconds(summary["whole_run_s"]["median"])])
+    head = (f"{run['conversations']} conversations of {run['turns']} turns on their own ~{run['system_tokens']:,}-token "
+            f"documents, {run['max_tokens']} tokens per answer, moved to another instance at every turn; every "
+            f"instance `--parallel {run['parallel']}`, {run['threads']} thread(s), n_ctx {run['n_ctx']}; "
+            f"{run['rounds']} rounds, order rotated; {run['balancer']}. Time to first token in seconds, median over "
+            "every turn of every round:")
+    return "\n\n".join([
+        head,
+        table(["setup", "turn 1 (cold)", "turn 2 (moved)", "later turns", "hit rate per instance", "whole run"], rows),
+        "The script's verdicts:\n\n" + "\n".join(_scale_verdict(v) for v in run["verdicts"]),
+        conditions(run),
+    ])
+
+
+def _scale_verdict(target: dict[str, Any]) -> str:
+    value = target["value"]
+    shown = {"x": ratio(value), "s": _seconds(value), "share": f"{value:.0%}"}[target["unit"]]
+    extra = ""
+    if "single_instance" in target:
+        extra = f"; a single instance: {_seconds(target['single_instance'])}"
+    if "turn2_vs_ours" in target:
+        extra = f"; its turn 2 {ratio(target['turn2_vs_ours'])} ours"
+    return f"- {target['target']}: {shown}{extra}: {verdict(target['met'])}"
