@@ -113,12 +113,14 @@ def as_token_array(tokens: Tokens) -> TokenArray:
             if issubclass(t, (bool, np.bool_)) or not issubclass(t, (int, np.integer)):
                 raise TypeError(f"tokens must be ints, got an element of type {t.__name__}")
         values = [int(x) for x in tokens]  # numpy scalars, IntEnum...: rare, so a Python loop is fine
-    try:
-        wide = np.fromiter(values, dtype=np.int64, count=n)
+    try:  # straight to int32: numpy refuses (OverflowError) any int outside its range
+        out = np.fromiter(values, dtype=np.int32, count=n)
     except OverflowError:
-        raise ValueError("token ids must be below 2**31, got a larger one") from None
-    _check_range(wide)
-    return readonly(wide.astype(np.int32))
+        raise ValueError("token ids must be in [0, 2**31), got one outside") from None
+    low = int(out.min())
+    if low < 0:
+        raise ValueError(f"token ids must be non-negative, got {low}")
+    return readonly(out)
 
 
 def check_vocabulary(tokens: TokenArray, n_vocab: int) -> TokenArray:
