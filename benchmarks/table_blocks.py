@@ -129,3 +129,114 @@ def _scale_verdict(target: dict[str, Any]) -> str:
     if "turn2_vs_ours" in target:
         extra = f"; its turn 2 {ratio(target['turn2_vs_ours'])} ours"
     return f"- {target['target']}: {shown}{extra}: {verdict(target['met'])}"
+
+
+# Caches: lookups and index memory (benchmarks/lookup.py) -----------------------------------------
+
+LOOKUP_CACHES = {"llama_cache.LlamaRAMCache": "ours, `LlamaRAMCache`", "llama_cache.LlamaTrieCache": "ours, `LlamaTrieCache`",
+                 "llama_cpp.LlamaRAMCache": "llama-cpp-python's `LlamaRAMCache`"}
+LOOKUP_TARGETS = {"lookup_under_1000us_at_10000": "a lookup under 1 ms at 10,000 entries",
+                  "speedup_at_least_1000x_at_10000": "at least 1,000x faster than llama-cpp-python's at 10,000 entries",
+                  "index_under_16_bytes_per_token_disjoint": "index under 16 B per stored token, keys sharing nothing"}
+
+
+def _us(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{num(value / 1000)} ms" if value >= 1000 else f"{num(value)} us"
+
+
+@renders("lookup")
+def lookup(results: Results) -> str:
+    run = results["lookup"]
+    rows = []
+    for size in run["sizes"]:
+        for name, label in LOOKUP_CACHES.items():
+            cache = size["caches"].get(name)
+            if cache is None:
+                continue
+            rows.append([f"{size['entries']:,}", label, _us(cache["median_us"]),
+                         ratio(cache.get("speedup_vs_theirs"), 0) if cache.get("speedup_vs_theirs") else "-",
+                         num(cache["traced_bytes_per_token"], 1)])
+    disjoint = run["disjoint_keys"]
+    for name, label in LOOKUP_CACHES.items():
+        cache = disjoint["caches"].get(name)
+        if cache is not None:
+            rows.append([f"{disjoint['entries']:,}, sharing nothing", label, "-", "-",
+                         num(cache["traced_bytes_per_token"], 1)])
+    verdicts = [f"- {label}: " + ", ".join(f"{name.removeprefix('llama_cache.')} {verdict(met[key])}"
+                                            for name, met in run["targets"].items())
+                for key, label in LOOKUP_TARGETS.items()]
+    workload = run["workload"]
+    return "\n\n".join([
+        f"Keys of about 2,000 tokens (conversations on {workload['system_prompts']} shared system prompts); "
+        "queries as Python lists, a third each a stored key plus new tokens, a key diverging in its middle, "
+        f"and a miss; median of {workload['our_repetitions']} repetitions for ours and "
+        f"{workload['their_repetitions']} for llama-cpp-python's linear scan. Memory is what building the "
+        "cache leaves allocated (tracemalloc), per stored token.",
+        table(["entries", "cache", "lookup, median", "faster than llama-cpp-python's", "index bytes per token"], rows),
+        "The script's verdicts:\n\n" + "\n".join(verdicts),
+        conditions(run),
+    ])
+
+
+# Caches: recurrent models (benchmarks/recurrent.py) ----------------------------------------------
+
+@renders("recurrent")
+def recurrent(results: Results) -> str:
+    run = results["recurrent"]
+    rows = []
+    for arch, data in run["architectures"].items():
+        for mine, theirs in zip(data["ours"], data["theirs"]):
+            rows.append([arch, mine["turn"], f"{mine['evaluated']:,}", "-" if mine["bound"] is None else f"{mine['bound']:,}",
+                         f"{theirs['evaluated']:,}", num(mine["ttft_ms"], 1), num(theirs["ttft_ms"], 1),
+                         num(mine["total_ms"], 1), num(theirs["total_ms"], 1)])
+    memory = [f"- {arch}: after {len(data['ours'])} turns ours holds {num(data['memory']['ours_bytes'] / 2**20, 1)} MiB in "
+              f"{data['memory']['ours_entries']} entries (+ {num(data['memory']['ours_checkpoint_bytes'] / 2**20)} MiB of "
+              f"checkpoints), llama-cpp-python's cache {num(data['memory']['theirs_bytes'] / 2**20, 1)} MiB in "
+              f"{data['memory']['theirs_entries']}; target (from turn 2 on, at most the tokens since the latest "
+              f"checkpoint): {run['targets'][arch]['within']} of {run['targets'][arch]['turns']} turns within: "
+              f"{verdict(run['targets'][arch]['verdict'])}"
+              for arch, data in run["architectures"].items()]
+    settings = run["settings"]
+    return "\n\n".join([
+        f"Tiny models the test fixture writes, a {settings['turns']}-turn chat on a ~{settings['history_tokens']:,}-token "
+        f"history, checkpoints every {settings['checkpoint_interval']} tokens. Both columns run in our `llama_cache.Llama`; "
+        "\"theirs\" is llama-cpp-python's `LlamaRAMCache` set as its cache:",
+        table(["model", "turn", "evaluated: ours", "bound", "theirs", "TTFT ms: ours", "theirs", "turn ms: ours",
+               "theirs"], rows),
+        "\n".join(memory),
+        conditions(run),
+    ])
+
+
+# Caches: prompt tokens evaluated where a cache should hit (benchmarks/missed_hits.py) ------------
+
+@renders("missed-hits")
+def missed_hits(results: Results) -> str:
+    run = results["missed_hits"]
+    rows = []
+    for scenario, sides in run["scenarios"].items():
+        evaluated = {side: values.get("repeat", values.get("evaluated")) for side, values in sides.items()}
+        rows.append([scenario, f"{sides['llama-cache']['prompt']:,}", evaluated["llama-cache"],
+                     evaluated["llama-cpp-python"]])
+    return "\n\n".join([
+        table(["scenario", "prompt tokens", "evaluated: llama-cache", "llama-cpp-python"], rows),
+        conditions(run),
+    ])
+
+
+# Model identity (benchmarks/fingerprint.py) ------------------------------------------------------
+
+@renders("fingerprint")
+def fingerprint(results: Results) -> str:
+    run = results["fingerprint"]
+    size = run["bytes"]
+    rows = [[what, f"{seconds * 1000:,.2f} ms" if seconds < 1 else f"{seconds:.2f} s",
+             f"{size / seconds / 1e9:.2f}" if what.startswith("whole file") else "-"]
+            for what, seconds in run["seconds"].items()]
+    return "\n\n".join([
+        f"A {size / 2**30:.0f} GiB file (a 7B model at 4 bits):",
+        table(["identity", "time", "GB/s"], rows),
+        conditions(run),
+    ])
