@@ -16,7 +16,7 @@ Prints a table per section and writes ``benchmarks/results/disk.json``. Sections
    (resident memory growth from after the imports to the end, and the peak), and the order of the two
    set-ups alternates from one size to the next.
 2. **Throughput** for a real default-model state of ~1,500 tokens: ``cache[key] = state`` (synchronous,
-   with and without fsync) and ``cache[key]`` (mmap + checksum + decode), with the page cache hot and cold
+   with and without fsync) and ``cache[key]`` (read + checksum + decode), with the page cache hot and cold
    (``posix_fadvise(DONTNEED)``), against writing / reading the same bytes to / from a plain file in the
    same directory; the caller's stall with write-behind; zlib level 1 ratio and speed.
 3. **Time to first token** for that prompt when a freshly started process finds its state on disk,

@@ -240,3 +240,38 @@ def fingerprint(results: Results) -> str:
         table(["identity", "time", "GB/s"], rows),
         conditions(run),
     ])
+
+
+# Restores (benchmarks/restore.py) ----------------------------------------------------------------
+
+RESTORE_KINDS = ("canonical", "view", "turn", "turn head", "turn, assembled", "turn head, assembled")
+
+
+@renders("restore")
+def restore(results: Results) -> str:
+    run = results["restore"]
+    rows = []
+    for path, summary in run["summary"].items():
+        for kind in RESTORE_KINDS:
+            row = summary["states"].get(kind)
+            if row is None:
+                continue
+            rows.append([f"`{path}`", kind, num(row["first_cpu_ms"], 1), num(row["later_cpu_ms"], 1),
+                         ratio(row["first_vs_canonical"]), ratio(row["later_vs_canonical"])])
+    first = run["runs"][0]
+    sizes, tokens = first["state_bytes"], first["n_tokens"]
+    states = ", ".join(f"{kind} {tokens[kind]:,} tokens ({sizes[kind] / 2**20:.1f} MiB)"
+                       for kind in ("canonical", "view", "turn", "turn head"))
+    verdicts = "\n".join(
+        f"- `{path}`: worst ratio {ratio(summary['max_ratio'])} (assembled turns, the path before restore copies: "
+        f"{ratio(summary['max_ratio_before'])}); target at most {run['ratio_target']}x: "
+        f"{verdict(summary['within_target'])}" for path, summary in run["summary"].items())
+    return "\n\n".join([
+        f"A {run['prompt_tokens']:,}-token prompt; states: {states}. CPU ms of the restoring thread, median over "
+        f"{run['processes']} fresh processes per path of the first restore and of the {run['later']} later ones; "
+        "ratios to the canonical state's later restores in the same path:",
+        table(["path", "state", "first, CPU ms", "later, CPU ms", "first / canonical", "later / canonical"], rows),
+        f"A turn's restore copy costs {first['restore_copy_bytes'] / 2**20:.1f} MiB (shared with its heads), against "
+        f"{first['turn_own_bytes'] / 2**20:.2f} MiB of the turn's own KV. The script's verdicts:\n\n{verdicts}",
+        conditions(run),
+    ])

@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from llama_cache.testing.processes import kill_process, stop_process
 from llama_cache.testing.redis_server import free_port
 
 __all__ = ["Nginx", "ServeProcess", "nginx_available", "nginx_config"]
@@ -82,19 +82,11 @@ class ServeProcess:
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash would."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=30)
+        kill_process(self.process, timeout=30)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its directory. Idempotent."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process, timeout=30)
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -183,11 +175,5 @@ class Nginx:
 
     def stop(self) -> None:
         """Stop nginx and remove its directory. Idempotent."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process)
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -108,19 +107,11 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL the server (its data is lost: no persistence)."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(timeout=10)
+        kill_process(self.process)
 
     def stop(self) -> None:
         """Stop the server and remove its directory. Idempotent."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+        stop_process(self.process)
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
