@@ -6,6 +6,7 @@ states each number with the conditions of its run and the script's own verdict.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from benchmarks.report import Results, conditions, ms, num, ratio, renders, spread, table, verdict
@@ -273,5 +274,446 @@ def restore(results: Results) -> str:
         table(["path", "state", "first, CPU ms", "later, CPU ms", "first / canonical", "later / canonical"], rows),
         f"A turn's restore copy costs {first['restore_copy_bytes'] / 2**20:.1f} MiB (shared with its heads), against "
         f"{first['turn_own_bytes'] / 2**20:.2f} MiB of the turn's own KV. The script's verdicts:\n\n{verdicts}",
+        conditions(run),
+    ])
+
+
+# Time to first token against llama-cpp-python's cache (llama-cache bench) ------------------------
+
+def _chat_restore_ratio(run: dict[str, Any]) -> float | None:
+    ratios = [row["ratio"] for row in run["chat_restores"]]
+    return statistics.median(ratios) if ratios else None
+
+
+@renders("bench")
+def bench(results: Results) -> str:
+    run = results["bench"]
+    rows = []
+    for scenario in run["scenarios"]:
+        ttft, evaluated = scenario["ttft_ms"], scenario["evaluated"]
+        restore = "-"
+        if scenario["median_restore_ratio"] is not None:
+            restore = f"{ratio(scenario['median_restore_ratio'])} ({ratio(scenario['max_restore_ratio'])})"
+        rows.append([scenario["scenario"].split(") ", 1)[-1]] +
+                    [f"{num(ttft[side], 0)} ms ({evaluated[side]:,})" for side in ("cold", "theirs", "ours")] +
+                    [ratio(scenario["ours_vs_theirs"], 1), restore])
+    chat = run["chat"]
+    turns = len(chat["ours"]["evaluated_per_turn"])
+    chat_ratio = _chat_restore_ratio(run)
+    rows.append([f"{turns}-turn chat, all turns"] +
+                [f"{num(sum(chat[side]['ttft_ms_per_turn']), 0)} ms ({sum(chat[side]['evaluated_per_turn']):,})"
+                 for side in ("cold", "theirs", "ours")] +
+                [ratio(sum(chat["theirs"]["ttft_ms_per_turn"]) / sum(chat["ours"]["ttft_ms_per_turn"]), 1),
+                 "-" if chat_ratio is None else f"{ratio(chat_ratio)} "
+                 f"({ratio(max(row['ratio'] for row in run['chat_restores']))})"])
+    entry = run["bytes_per_entry"]
+    return "\n\n".join([
+        f"A {run['prompt_tokens']:,}-token prompt; time to first token, median of 3 variants per scenario (prompt "
+        "tokens evaluated in brackets); restores: ours against the same state restored in canonical form, "
+        "CPU time, median (slowest):",
+        table(["scenario", "cold", "llama-cpp-python's cache", "ours", "ours faster by", "restore / canonical"], rows),
+        table(["after the first request", "llama-cache", "llama-cpp-python"], [
+            ["bytes the entries hold, against llama.cpp's sequence state",
+             f"{ratio(entry['ours_ratio'])} ({entry['ours_entries']:.0f} entries)",
+             f"{ratio(entry['theirs_ratio'])} ({entry['theirs_entries']:.0f} entry)"],
+            [f"saving a state after {entry['save_new_tokens']:.0f} new tokens", f"{num(entry['ours_save_ms'], 1)} ms",
+             f"{num(entry['theirs_save_ms'], 1)} ms"],
+        ]),
+        conditions(run),
+    ])
+
+
+# Serving: structured outputs, the engine (benchmarks/constraints.py) -----------------------------
+
+def _gbnf_outcome(other: dict[str, Any]) -> str:
+    """llama-cpp-python's GBNF path on one case, from the phases its child process reported."""
+    phases = other["phases"]
+    if other["outcome"] == "ok":
+        generated, plain = phases["generated"], phases["unconstrained"]
+        return f"{ratio(generated['cpu_ms_per_token'] / plain['cpu_ms_per_token'])} per token (CPU)"
+    refused = "parsed" in phases and not phases["parsed"]["accepted"]
+    where = (f"{phases['sampling']['tokens']} tokens sampled in {phases['sampling']['seconds']:.0f} s"
+             if "sampling" in phases else f"after the phase '{other['last_phase']}'")
+    return ("llama.cpp refused the grammar; " if refused else "") + f"{other['outcome']}, {where}"
+
+
+@renders("constraints")
+def constraints(results: Results) -> str:
+    run = results["constraints"]
+    cases, theirs, settings = run["ours"]["cases"], run["gbnf"], run["settings"]
+    rows = [[f"`{name}`", f"{num(row['compile_ms'], 1)} ms", f"{num(row['constraint_cpu_us_per_token'], 0)} us",
+             ratio(row["cpu_ratio"]), "yes" if row["valid_json"] else "**no**", _gbnf_outcome(theirs[name])]
+            for name, row in cases.items()]
+    slowest_gil = max(row["max_gil_gap_ms"] for row in cases.values())
+    return "\n\n".join([
+        f"Default model, greedy, at most {settings['max_tokens']} tokens, {settings['n_threads']} threads; ours: "
+        f"medians of {settings['rounds']} rounds; llama-cpp-python's GBNF path (`LlamaGrammar.from_json_schema`) in "
+        f"a child process per case, stopped after {settings['gbnf_timeout_s']:g} s:",
+        table(["schema", "compile (ours)", "mask per token (ours, CPU)", "CPU per token, constrained / not (ours)",
+               "valid JSON (ours)", "llama-cpp-python's GBNF path"], rows),
+        f"Compiling held the GIL for at most {num(slowest_gil, 1)} ms. The script's verdict: {run['verdict']}.",
+        conditions(run),
+    ])
+
+
+# Redis tier (benchmarks/redis_tier.py) -----------------------------------------------------------
+
+@renders("redis-tier")
+def redis_tier(results: Results) -> str:
+    run = results["redis_tier"]
+    parts = []
+    if "ttft" in run:
+        ttft = run["ttft"]
+        rows = [["exact prompt" if shape == "exact" else f"prompt + {ttft['suffix_tokens']} tokens"] +
+                [f"{num(ttft[shape][f'{setup}_ttft_ms'], 0)} ms" for setup in ("cold", "ram", "disk", "redis")] +
+                [f"{num(ttft[shape]['redis_lookup_ms'], 0)} / {num(ttft[shape]['redis_restore_ms'], 0)} ms",
+                 ttft[shape]["redis_lookup_round_trips"]]
+                for shape in ("exact", "suffix")]
+        parts += [f"Time to first token of a {ttft['prompt_tokens']:,}-token prompt, median of {ttft['repeat']}; the "
+                  "disk and Redis hits in a fresh process:",
+                  table(["prompt", "cold", "RAM hit", "disk hit", "Redis hit", "Redis lookup / restore",
+                         "round trips"], rows)]
+    if "round_trips" in run:
+        rows = [[r["shape"], f"{r['entries']:,}", f"{r['hit_round_trips']:.2f} / {_us(r['hit_us'])}",
+                 f"{r['match_round_trips']:.2f} / {_us(r['match_us'])}", f"{r['miss_round_trips']:.2f} / {_us(r['miss_us'])}"]
+                for r in run["round_trips"]["sizes"]]
+        parts += ["Round trips and latency per lookup as entries grow:",
+                  table(["keys", "entries", "hit", "`match_length`", "miss"], rows)]
+    if "transfer" in run:
+        transfer = run["transfer"]
+        rows = [["store (SET)", num(transfer["store_mbps"], 0), num(transfer["redis_py_set_mbps"], 0),
+                 f"{num(transfer['bench_set_mbps'], 0)} (`{transfer['bench_set_best']}`)"],
+                ["lookup (GET)", num(transfer["lookup_mbps_verify_True"], 0), num(transfer["redis_py_get_mbps"], 0),
+                 f"{num(transfer['bench_get_mbps'], 0)} (`{transfer['bench_get_best']}`)"]]
+        parts += [f"Chunk transfer, MB/s ({int(transfer['chunks'])} chunks of "
+                  f"{transfer['chunk_value_bytes'] / 1e3:.0f} KB, a {transfer['state_tokens']:,}-token state):",
+                  table(["operation", "`LlamaRedisCache`", "redis-py's own pipeline", "`redis-benchmark`, best"],
+                        rows)]
+    if "memory" in run:
+        memory = run["memory"]
+        parts.append(f"Redis memory for the dedup workload ({memory['conversations']} conversations x {memory['turns']} "
+                     f"turns on a {memory['system_tokens']:,}-token system prompt): "
+                     f"{num(memory['used_memory_delta'] / 2**20, 1)} MiB, "
+                     f"{ratio(memory['used_memory_delta_vs_floor'], 3)} the floor of "
+                     f"{memory['unique_tokens']:,} unique tokens x {memory['kv_bytes_per_token']:,} B "
+                     f"({num(memory['floor_bytes'] / 2**20, 1)} MiB).")
+    parts += ["The script's verdicts:\n\n" + "\n".join(f"- {target}: {measured}: {verdict(met)}"
+                                                       for target, measured, met in run["targets"]),
+              conditions(run, f"redis-server {run['redis_server']}")]
+    return "\n\n".join(parts)
+
+
+# Chunked disk tier (benchmarks/dedup.py) ---------------------------------------------------------
+
+def _mb(nbytes: float | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e6:,.1f} MB"
+
+
+def _format_name(chunk: str, default: str) -> str:
+    if chunk == "0":
+        return "whole states (the format before chunks)"
+    return f"chunks of {chunk}" + (" (default)" if chunk == default else "")
+
+
+@renders("dedup")
+def dedup(results: Results) -> str:
+    run = results["dedup"]
+    workload, floor, kv = run["workload"], run["unique_kv_bytes"], run["kv_bytes_per_token"]
+    formats, default, ttft = run["formats"], str(run["default_chunk_tokens"]), run["ttft"]
+    theirs = run["llama_cpp_python"]
+    rows = [[_format_name(c, default), _mb(formats[c]["unique_bytes"]), ratio(formats[c]["unique_bytes"] / floor, 3),
+             f"{_mb(formats[c]['written_mean'])} ({_mb(formats[c]['written_max'])})"] for c in (default, "0")]
+    rows.append([f"llama-cpp-python's `LlamaDiskCache`, a {theirs['conversations']} x {theirs['turns']} subset "
+                 f"({theirs['entries']} entry kept: a hit pops its entry)", _mb(theirs["bytes_on_disk"]),
+                 ratio(theirs["bytes_on_disk"] / (theirs["unique_tokens"] * kv)),
+                 f"{_mb(theirs['written_mean'])} ({_mb(theirs['written_max'])})"])
+
+    def hit(label: str, warm: dict[str, Any], fresh: dict[str, Any]) -> list[str]:
+        return [label, f"{num(warm.get('ttft_ms'), 0)} ms", f"{num(fresh.get('ttft_ms'), 0)} ms",
+                f"{num(warm['lookup_ms'], 1)} + {num(warm['restore_ms'], 1)} ms",
+                "-" if not fresh else f"{num(fresh['lookup_ms'], 0)} + {num(fresh['restore_ms'], 0)} ms"]
+
+    same = ttft["same_prompt"]
+    hits = [hit(f"{_format_name(c, default)}: the next turn", ttft["warm"][c], ttft["fresh"][c]) for c in (default, "0")]
+    hits += [hit(f"{label}: user {ttft['same_prompt_user']}'s turn {ttft['same_prompt_after_turns'] + 1}",
+                 same[key]["warm"], same[key]["fresh"])
+             for key, label in ((default, _format_name(default, default)), ("0", _format_name("0", default)),
+                                ("theirs", "llama-cpp-python's `LlamaDiskCache`"))]
+    return "\n\n".join([
+        f"{workload['conversations']} conversations x {workload['turns']} turns on a {workload['system_tokens']:,}-token "
+        f"system prompt, answers of at most {workload['max_tokens']} tokens (greedy); {workload['completions']} "
+        f"completions, {workload['stores']} states stored; the floor: {run['unique_tokens']:,} unique tokens x "
+        f"{kv:,} KV bytes per token = {_mb(floor)}.",
+        table(["set-up", "bytes on disk (index apart)", "/ floor", "written per completion, mean (max)"], rows),
+        "Time to first token on a hit, median; warm: this process, files in the page cache; fresh: a new process, "
+        "the directory's files dropped from the page cache:",
+        table(["set-up, prompt", "warm", "fresh", "lookup + restore, warm", "lookup + restore, fresh"], hits),
+        "The script's verdicts:\n\n" + "\n".join(f"- {t['what']}: {t['value']}: {verdict(t['met'])}"
+                                                 for t in run["targets"]),
+        conditions(run),
+    ])
+
+
+@renders("dedup-chunks")
+def dedup_chunks(results: Results) -> str:
+    run = results["dedup"]
+    formats, default, floor = run["formats"], str(run["default_chunk_tokens"]), run["unique_kv_bytes"]
+    rows = []
+    for chunk in sorted(formats, key=lambda c: int(c) or 1 << 30):
+        f, hit = formats[chunk], run["ttft"]["warm"][chunk]
+        n = len(f["completions"])
+        within = f"{f['within']} ({f['chunks_within']}) of {n}" if chunk != "0" else "-"
+        rows.append([_format_name(chunk, default), f"{f['data_files']:,}", ratio(f["unique_bytes"] / floor, 3),
+                     _mb(f["written_mean"]), within, f"{num(hit['lookup_ms'], 1)} + {num(hit['restore_ms'], 1)} ms"])
+    return "\n\n".join([
+        table(["chunk_tokens", "files", "on disk / floor", "written per completion", "within new KV + one chunk "
+               "(chunk files alone)", "warm next-turn hit: lookup + restore"], rows),
+        conditions(run),
+    ])
+
+
+# Serving: multi-user chat (benchmarks/serve.py) ---------------------------------------------------
+
+SERVE_LABELS = {"llama-cache": "llama-cache", "llama-cache-key": "llama-cache with `--api-key`",
+                "llama-server": "llama-server",
+                "llama-cpp-python": "llama-cpp-python (`cache: true`, equal settings, `logits_all` off)",
+                "llama-cpp-python-defaults": "llama-cpp-python (`cache: true`, its defaults)"}
+SERVE_TARGETS = {
+    "later_vs_llama_server": "later turns, ours / llama-server's",
+    "whole_vs_llama_server": "whole run, ours / llama-server's",
+    "later_speedup_over_llama-cpp-python": "later turns, llama-cpp-python's (equal settings) / ours",
+    "whole_speedup_over_llama-cpp-python": "whole run, llama-cpp-python's (equal settings) / ours",
+    "later_speedup_over_llama-cpp-python-defaults": "later turns, llama-cpp-python's (its defaults) / ours",
+    "whole_speedup_over_llama-cpp-python-defaults": "whole run, llama-cpp-python's (its defaults) / ours",
+    "key_later_vs_no_key": "later turns, with a key / without",
+    "key_whole_vs_no_key": "whole run, with a key / without",
+}
+
+
+def _serve_rows(run: dict[str, Any]) -> list[list[str]]:
+    def cell(row: dict[str, Any], key: str) -> str:
+        low_high = row[f"{key}_spread"]
+        return "-" if row[key] is None else f"{num(row[key])} ({num(low_high[0])}-{num(low_high[1])})"
+
+    rows = []
+    concurrencies = sorted({c for per_server in run["summary"].values() for c in per_server}, key=int)
+    for concurrency in concurrencies:
+        for name, per_server in run["summary"].items():
+            row = per_server.get(concurrency)
+            if row is not None:
+                rows.append([SERVE_LABELS.get(name, name), concurrency, cell(row, "ttft_first_p50"),
+                             cell(row, "ttft_later_p50"), cell(row, "ttft_later_p95"), cell(row, "whole_run_s")])
+    return rows
+
+
+def _serve_targets(run: dict[str, Any], keys: bool) -> str:
+    lines = []
+    for concurrency, each in run["targets"].items():
+        for name, target in each.items():
+            if name.startswith("key_") != keys or target["verdict"] == "not measured":
+                continue
+            spread_text = ""
+            if target["ratio_range"]:
+                spread_text = f" (the rounds allow {ratio(target['ratio_range'][0])}-{ratio(target['ratio_range'][1])})"
+            lines.append(f"- concurrency {concurrency}, {SERVE_TARGETS[name]}: {ratio(target['ratio'])}{spread_text}; "
+                         f"target {target['target']}: {verdict(target['verdict'])}")
+    return "\n".join(lines)
+
+
+def _serve_settings(run: dict[str, Any]) -> str:
+    return (f"{run['users']} users x {run['turns']} turns, {run['max_tokens']} tokens per answer; n_ctx {run['n_ctx']} per "
+            f"request, {run['parallel']} contexts/slots where a server has them, {run['threads']} threads, batch "
+            f"{run['n_batch']}, flash attention {'on' if run['flash_attn'] else 'off'}; {run['rounds']} rounds, servers "
+            "in rotating order. Seconds, median over rounds (min-max):")
+
+
+@renders("serve")
+def serve(results: Results) -> str:
+    run = results["serve"]
+    return "\n\n".join([
+        _serve_settings(run),
+        table(["server", "concurrency", "TTFT turn 1, p50", "later turns p50", "later turns p95", "whole run"],
+              _serve_rows(run)),
+        "The script's verdicts (ratios of medians):\n\n" + _serve_targets(run, keys=False),
+        conditions(run, f"llama-server {run['llama_server_version']}" if run.get("llama_server_version") else ""),
+    ])
+
+
+@renders("serve-keys")
+def serve_keys(results: Results) -> str:
+    run = results["serve_keys"]
+    return "\n\n".join([
+        _serve_settings(run),
+        table(["server", "concurrency", "TTFT turn 1, p50", "later turns p50", "later turns p95", "whole run"],
+              _serve_rows(run)),
+        "The script's verdicts (ratios of medians):\n\n" + _serve_targets(run, keys=True),
+        conditions(run),
+    ])
+
+
+# Serving: under hostile traffic (benchmarks/serve_noisy.py) --------------------------------------
+
+NOISY_TARGETS = {"attack_vs_quiet": "ours under attack / ours quiet",
+                 "attack_vs_llama_server": "ours under attack / llama-server under attack",
+                 "llama_server_attack_vs_quiet": "llama-server under attack / llama-server quiet"}
+
+
+@renders("serve-noisy")
+def serve_noisy(results: Results) -> str:
+    run = results["serve_noisy"]
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        low_high = row[f"{key}_spread"]
+        bound = ">" if row[f"{key}_lower_bound"] else ""
+        return "-" if row[key] is None else f"{bound}{num(row[key])} ({num(low_high[0])}-{num(low_high[1])})"
+
+    rows = []
+    for name, phases in run["summary"].items():
+        for phase, row in phases.items():
+            failed = sum(v for v in row["failed"].values())
+            rows.append([name, phase, cell(row, "ttft_p50"), cell(row, "ttft_p95"), cell(row, "total_p50"),
+                         cell(row, "total_p95"), f"{failed}, died: {row['server_died']}"])
+    lines = []
+    for name, target in run["targets"].items():
+        ratios, states = target["ratios"], target["states"]
+
+        def shown(key: str) -> str:
+            top, bottom = states[key]
+            sign = ">" if top == "lower" and bottom != "lower" else "<" if bottom == "lower" and top != "lower" else ""
+            return "-" if ratios[key] is None else f"{sign}{ratio(ratios[key])}"
+
+        judged = "" if target["target"] is None else (f"; target p95s at most {target['target']:g}x: "
+                                                      f"{verdict(target['verdict'])}")
+        lines.append(f"- {NOISY_TARGETS[name]}: TTFT p50 {shown('ttft_p50')}, p95 {shown('ttft_p95')}; total p50 "
+                     f"{shown('total_p50')}, p95 {shown('total_p95')}{judged}")
+    settings, normal = run["servers_settings"], run["normal"]
+    return "\n\n".join([
+        f"{normal['clients']} clients, {normal['max_tokens']} tokens per answer; {run['attack']['attackers']} attackers "
+        f"({', '.join(run['attack']['kinds'])}); every server {settings['parallel']} slots, n_ctx {settings['n_ctx']} "
+        f"per request, {settings['threads']} threads, batch {settings['n_batch']}, flash attention "
+        f"{'on' if settings['flash_attn'] else 'off'}; {run['rounds']} rounds, order rotated. Seconds, median over "
+        "rounds (min-max):",
+        table(["server", "phase", "TTFT p50", "TTFT p95", "total p50", "total p95", "normal requests failed"], rows),
+        "The script's verdicts:\n\n" + "\n".join(lines),
+        conditions(run),
+    ])
+
+
+# The README's headline table ---------------------------------------------------------------------
+
+@renders("headline")
+def headline(results: Results) -> str:
+    lookups, bench_run, restores = results["lookup"], results["bench"], results["restore"]
+    largest = lookups["sizes"][-1]
+    ours_ram, ours_trie = (largest["caches"][f"llama_cache.{name}"] for name in ("LlamaRAMCache", "LlamaTrieCache"))
+    theirs_ram = largest["caches"]["llama_cpp.LlamaRAMCache"]
+    disjoint = lookups["disjoint_keys"]["caches"]
+    entry = bench_run["bytes_per_entry"]
+    scenarios = {s["scenario"].split(") ", 1)[-1]: s for s in bench_run["scenarios"]}
+    exact, suffix, diverging = (scenarios[k] for k in ("same prompt again", "prompt + short suffix", "diverges at 75%"))
+    chat = bench_run["chat"]
+    turn = restores["summary"]["load_state"]["states"]["turn"]
+    mamba = results["recurrent"]["architectures"]["mamba"]
+    later = [t for t in mamba["ours"] if t["turn"] > 1]
+    theirs_later = [t for t in mamba["theirs"] if t["turn"] > 1]
+    serve_run = results["serve"]["summary"]
+    rows = [
+        [f"lookup at {largest['entries']:,} cached ~2,000-token keys (RAM / trie cache)",
+         f"{_us(ours_ram['median_us'])} / {_us(ours_trie['median_us'])}", f"{_us(theirs_ram['median_us'])} (a scan)"],
+        ["index memory per cached token, keys sharing nothing",
+         f"{num(disjoint['llama_cache.LlamaRAMCache']['traced_bytes_per_token'], 1)} B",
+         f"{num(disjoint['llama_cpp.LlamaRAMCache']['traced_bytes_per_token'], 1)} B"],
+        [f"memory per cached {bench_run['prompt_tokens']:,}-token prompt, against llama.cpp's state",
+         ratio(entry["ours_ratio"]), ratio(entry["theirs_ratio"])],
+        [f"saving a state after {entry['save_new_tokens']:.0f} new tokens", f"{num(entry['ours_save_ms'], 1)} ms",
+         f"{num(entry['theirs_save_ms'], 1)} ms"],
+        [f"time to first token, that prompt again (cold: {num(exact['ttft_ms']['cold'] / 1000)} s)",
+         f"{num(exact['ttft_ms']['ours'], 0)} ms", f"{num(exact['ttft_ms']['theirs'], 0)} ms"],
+        ["the prompt + a short suffix / diverging at 75%",
+         f"{num(suffix['ttft_ms']['ours'], 0)} / {num(diverging['ttft_ms']['ours'], 0)} ms",
+         f"{num(suffix['ttft_ms']['theirs'], 0)} / {num(diverging['ttft_ms']['theirs'], 0)} ms"],
+        [f"{len(chat['ours']['ttft_ms_per_turn'])}-turn chat, time to first token of all turns",
+         f"{num(sum(chat['ours']['ttft_ms_per_turn']) / 1000)} s",
+         f"{num(sum(chat['theirs']['ttft_ms_per_turn']) / 1000)} s"],
+        ["restoring a chat turn, against restoring the same state in canonical form (CPU time)",
+         ratio(turn["later_vs_canonical"]), "-"],
+        [f"tiny mamba, {len(mamba['ours'])}-turn chat on a long history: prompt tokens evaluated per later turn",
+         f"{min(t['evaluated'] for t in later):,}-{max(t['evaluated'] for t in later):,}",
+         f"{min(t['evaluated'] for t in theirs_later):,}-{max(t['evaluated'] for t in theirs_later):,} "
+         "(its cache in our `Llama`)"],
+    ]
+    for concurrency in ("1", "4"):
+        ours = serve_run.get("llama-cache", {}).get(concurrency)
+        theirs = serve_run.get("llama-cpp-python", {}).get(concurrency)
+        server = serve_run.get("llama-server", {}).get(concurrency)
+        if ours and theirs:
+            rows.append([f"`llama-cache serve`, {concurrency} user(s) at a time: later chat turns, p50 "
+                         f"(llama-server: {_seconds(server and server['ttft_later_p50'])})",
+                         _seconds(ours["ttft_later_p50"]), f"{_seconds(theirs['ttft_later_p50'])} (its server)"])
+    return "\n\n".join([
+        table(["what", "llama-cache", f"llama-cpp-python {bench_run['machine'].get('llama_cpp_python', '')}".strip()],
+              rows),
+        f"{bench_run['machine'].get('cpu', '')}, {bench_run['machine'].get('physical_cores', '?')} cores, no GPU, "
+        "the default model; each row's two sides measured in one run. Rows by script: `benchmarks/lookup.py`, "
+        "`llama-cache bench`, `benchmarks/restore.py`, `benchmarks/recurrent.py`, `benchmarks/serve.py`.",
+    ])
+
+
+# Disk tier (benchmarks/disk.py, benchmarks/disk_io.py) -------------------------------------------
+
+@renders("disk")
+def disk(results: Results) -> str:
+    run = results["disk"]
+    parts = []
+    if "lookup" in run:
+        rows = [[f"{r['entries']:,}", _us(r["ours_contains_us"]), _us(r["ours_getitem_us"]),
+                 f"{num(r['ours_open_ms'], 1)} ms", _us(r["theirs_contains_us"]),
+                 f"{r['theirs_entries']:,} of {r['theirs_attempted']:,}"] for r in run["lookup"]]
+        parts += ["Lookups among keys of ~2,000 tokens sharing prefixes, median, each side in a fresh process "
+                  "(llama-cpp-python's set-up stops at a time budget: the entries it held are given):",
+                  table(["entries", "ours: `key in cache`", "ours: `cache[key]` (a full hit)", "ours: open",
+                         "llama-cpp-python: `key in cache`", "llama-cpp-python: entries held"], rows)]
+    if "throughput" in run:
+        t = run["throughput"]
+        rows = [["save", f"{num(t['ours_save_mbps_fsync_False'], 0)} MB/s", f"{num(t['plain_write_mbps_fsync_False'], 0)} MB/s",
+                 f"{t['save_vs_plain']:.0%}"],
+                ["save + fsync", f"{num(t['ours_save_mbps_fsync_True'], 0)} MB/s",
+                 f"{num(t['plain_write_mbps_fsync_True'], 0)} MB/s", f"{t['save_vs_plain_fsync']:.0%}"],
+                ["load, page cache hot", f"{num(t['ours_load_mbps_hot'], 0)} MB/s", f"{num(t['plain_read_mbps_hot'], 0)} MB/s",
+                 f"{t['load_vs_plain_hot']:.0%}"],
+                ["load, page cache cold", f"{num(t['ours_load_mbps_cold'], 0)} MB/s",
+                 f"{num(t['plain_read_mbps_cold'], 0)} MB/s", f"{t['load_vs_plain_cold']:.0%}"],
+                ["load, hot, `verify=False`", f"{num(t['ours_load_noverify_mbps_hot'], 0)} MB/s", "-", "-"],
+                ["save / load with zlib level 1", f"{num(t['ours_save_mbps_zlib1'], 0)} / "
+                 f"{num(t['ours_load_mbps_zlib1'], 0)} MB/s", "-", f"size {ratio(t['zlib1_ratio'])}"],
+                ["write-behind: the caller's stall", f"{num(t['write_behind_stall_ms'])} ms", "-", "-"]]
+        parts += [f"A default-model state of {t['n_tokens']:,} tokens ({_mb(t['state_bytes'])}), against plain files in "
+                  "the same directory:", table(["operation", "llama-cache", "plain file", "ours / plain"], rows)]
+    if "ttft" in run:
+        t = run["ttft"]
+        rows = [[label, f"{num(t[f'{key}_ram_ttft_ms'], 0)} ms",
+                 f"{num(t[f'{key}_disk_hot_ttft_ms'], 0)} ms ({ratio(t[f'{key}_disk_hot_vs_ram'])})",
+                 f"{num(t[f'{key}_disk_cold_ttft_ms'], 0)} ms ({ratio(t[f'{key}_disk_cold_vs_ram'])})",
+                 t[f"{key}_disk_hot_evaluated"]]
+                for key, label in (("exact", "exact repeat"), ("suffix", "prompt + a few tokens"))]
+        cold = f" (cold: {num(run['cold_ttft_s'])} s)" if run.get("cold_ttft_s") else ""
+        parts += [f"Time to first token of that prompt{cold}:",
+                  table(["prompt", "RAM hit, warm process", "disk hit, new process, page cache hot",
+                         "page cache cold", "tokens evaluated"], rows)]
+    parts.append(conditions(run))
+    return "\n\n".join(parts)
+
+
+@renders("disk-io")
+def disk_io(results: Results) -> str:
+    run = results["disk_io"]
+    before, after = run["medians"]["before"], run["medians"]["after"]
+    rows = [[f"{key}", num(before[key]), num(after[key]), ratio(after[key] / before[key])] for key in before]
+    settings = run["settings"]
+    return "\n\n".join([
+        f"Synthetic states sized like the default model's KV; medians of {settings['rounds']} fresh processes per "
+        f"side, alternating; \"before\" is commit {settings['before']} (mmap, WAL). A rate (/s) is better higher, a "
+        "time better lower:",
+        table(["measure", "before", "after", "after / before"], rows),
         conditions(run),
     ])
