@@ -690,12 +690,15 @@ def main() -> int:
         if "ttft" in sections:
             server.cli("flushall")
             results["ttft"] = bench_ttft(server, llm, state, tokens, Path(tmp), repeat, args.threads)
+            write(args.out, results)  # what is done so far, if a later section fails
         if "rtt" in sections:
             server.cli("flushall")
             results["round_trips"] = bench_round_trips(server, sizes, pick(args.lookups, 200, 50))
+            write(args.out, results)  # what is done so far, if a later section fails
         if "transfer" in sections:
             server.cli("flushall")
             results["transfer"] = bench_transfer(server, state, repeat, pick(args.requests, 2000, 300))
+            write(args.out, results)  # what is done so far, if a later section fails
         if llm is not None:
             llm.close()
         if "memory" in sections:

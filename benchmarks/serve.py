@@ -70,7 +70,6 @@ against 4 separate requests, beside llama-server; see its docstring).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import secrets

@@ -18,7 +18,6 @@ import pytest
 from llama_cache import BaseLlamaCache, CacheStats, LlamaDiskCache, LlamaRAMCache, LlamaTrieCache, TieredCache
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.memory import memory_blocks
-from llama_cache.testing.redis_server import RedisServer, redis_available
 from tests.cache_contract import CacheContract
 from tests.test_disk_cache import disk_size, make_cut_state
 from tests.test_disk_cache import PLAIN_PROMPT, plain_cold_answer

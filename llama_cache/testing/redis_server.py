@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from llama_cache.testing.processes import kill_process, stop_process
+
 __all__ = ["RedisCluster", "RedisServer", "free_port", "redis_available"]
 
 
