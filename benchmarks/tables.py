@@ -48,6 +48,9 @@ def rendered(page: str, results: Results) -> tuple[str, list[str]]:
         except MissingResult as missing:
             problems.append(f"{name}: {missing}")
             return match[0]
+        except (KeyError, IndexError, TypeError) as error:  # a file of an interrupted run, or of an older script
+            problems.append(f"{name}: its result file lacks what the table shows ({type(error).__name__}: {error})")
+            return match[0]
         return match[1] + body + match[4]
 
     return BLOCK.sub(fill, page), problems
