@@ -56,3 +56,15 @@ def test_a_number_comes_from_the_result_file(tmp_path: Path) -> None:
     body, _ = tables.rendered(PAGE.format(body=""), Results(copy))
     assert "adds 1,234 ms" in body
     shutil.rmtree(copy)
+
+
+def test_a_result_file_of_an_interrupted_run_is_reported(tmp_path: Path) -> None:
+    partial = tmp_path / "results"
+    partial.mkdir()
+    run = json.loads((RESULTS / "write_through.json").read_text())
+    del run["summary"]  # a script writes its file as it goes: an interrupted run has no summary yet
+    (partial / "write_through.json").write_text(json.dumps(run))
+    page = tmp_path / "page.md"
+    page.write_text(PAGE.format(body="| kept | as it was |\n"))
+    (found,) = tables.drift([page], Results(partial))
+    assert "lacks what the table shows" in found and "summary" in found
