@@ -647,7 +647,8 @@ def headline(results: Results) -> str:
         theirs = serve_run.get("llama-cpp-python", {}).get(concurrency)
         server = serve_run.get("llama-server", {}).get(concurrency)
         if ours and theirs:
-            rows.append([f"`llama-cache serve`, {concurrency} user(s) at a time: later chat turns, p50 "
+            users = "1 user" if concurrency == "1" else f"{concurrency} users"
+            rows.append([f"`llama-cache serve`, {users} at a time: later chat turns, p50 "
                          f"(llama-server: {_seconds(server and server['ttft_later_p50'])})",
                          _seconds(ours["ttft_later_p50"]), f"{_seconds(theirs['ttft_later_p50'])} (its server)"])
     return "\n\n".join([
