@@ -39,11 +39,14 @@ def free_port() -> int:
 class LiveServer:
     """uvicorn serving an app in a background thread on a free loopback port.
 
-    :meth:`client` and :meth:`metrics` present the config's first API key, if it has any.
+    :meth:`client` and :meth:`metrics` present the config's first API key, if it has any. The clients
+    :meth:`client` makes are closed by :meth:`stop`: one left to the garbage collector would close its
+    pooled sockets with a ResourceWarning during whichever test happens to run then.
     """
 
     def __init__(self, config: ServerConfig, shutdown_timeout: float = 5.0) -> None:
         self.port = free_port()
+        self._clients: list[openai.OpenAI] = []
         self.engine = load_engine(config)
         self.app = create_app(self.engine, config)
         self.key = config.api_keys[0] if config.api_keys else None
@@ -61,7 +64,9 @@ class LiveServer:
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.key or "unused")
-        return openai.OpenAI(base_url=self.url + "/v1", **kwargs)
+        client = openai.OpenAI(base_url=self.url + "/v1", **kwargs)
+        self._clients.append(client)
+        return client
 
     def metrics(self) -> dict[str, float]:
         """Every sample of ``/metrics``, parsed by prometheus-client, as ``name{labels}`` -> value."""
@@ -77,5 +82,8 @@ class LiveServer:
         return samples
 
     def stop(self) -> None:
+        for client in self._clients:
+            client.close()
+        self._clients.clear()
         self.server.should_exit = True
         self.thread.join(timeout=60)
