@@ -77,8 +77,10 @@ def test_short_evaluations_go_between_the_chunks_of_a_long_one_and_the_oldest_pr
         assert recorder.held.wait(10)  # the first chunk is running (blocked on the gate)
         later = _submit(compute, recorder.evaluator("later"), list(range(300)))
         _wait_until(lambda: compute.waiting == 1)
-        shorts = [_submit(compute, recorder.evaluator(f"short{i}"), [i]) for i in range(2)]
-        _wait_until(lambda: compute.waiting == 3)
+        shorts = []
+        for i in range(2):  # one at a time: two threads started together may queue in either order
+            shorts.append(_submit(compute, recorder.evaluator(f"short{i}"), [i]))
+            _wait_until(lambda: compute.waiting == 2 + i)  # noqa: B023 (read before i changes)
         gate.set()
         for thread in [long_one, later, *shorts]:
             thread.join()
