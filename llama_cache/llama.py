@@ -11,6 +11,9 @@ with these differences:
 - When the best entry diverges from the prompt (``LlamaRAMCache``'s policy) it is restored and its KV
   cut back to the common prefix; only the rest is evaluated.
 - A state from another model or KV configuration is a cache miss (logged), never a wrong answer.
+- Every token's text is whole (:class:`~llama_cache.detokenizer.Detokenizer`): llama-cpp-python drops
+  pieces longer than 32 bytes (runs of dashes, deep indentation) from ``detokenize`` and so from every
+  completion's text.
 - On recurrent and hybrid models, whose memory cannot be cut back, prefill saves checkpoints
   (:class:`~llama_cache.checkpoints.HybridCheckpointCache`) every ``checkpoint_interval`` tokens and just
   before a prompt's last token; a new prompt that leaves the live context's path resumes from the
@@ -21,16 +24,18 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 import llama_cpp
+import llama_cpp.llama_tokenizer
 import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
-from llama_cache.state.fingerprint import model_description, model_fingerprint
+from llama_cache.detokenizer import Detokenizer
+from llama_cache.state.fingerprint import model_description, model_fingerprint, namespaced_fingerprint
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
 from llama_cache.tokens import as_token_array, check_vocabulary
 
@@ -53,6 +58,8 @@ class Llama(llama_cpp.Llama):
         checkpoint_interval: tokens between checkpoints during a long prefill (positive).
         checkpoint_on_device: keep checkpoint tensors in llama.cpp's device buffers
             (``LLAMA_STATE_SEQ_FLAGS_ON_DEVICE``; one checkpoint per sequence is then usable).
+        cache_namespace: keep this instance's cached states apart from every other namespace's (see
+            :meth:`set_cache_namespace`); None: the model's own namespace.
 
     Not thread-safe: like ``llama_cpp.Llama``, one instance serves one request at a time.
     """
@@ -64,6 +71,7 @@ class Llama(llama_cpp.Llama):
         ctx_checkpoints: int = 16,
         checkpoint_interval: int = 4096,
         checkpoint_on_device: bool = False,
+        cache_namespace: str | None = None,
         **kwargs: Any,
     ) -> None:
         for name, value in (("ctx_checkpoints", ctx_checkpoints), ("checkpoint_interval", checkpoint_interval)):
@@ -77,12 +85,18 @@ class Llama(llama_cpp.Llama):
         self.ctx_checkpoints = max(ctx_checkpoints, 0)
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_on_device = bool(checkpoint_on_device)
-        self.fingerprint = model_fingerprint(self)
+        self.model_fingerprint = model_fingerprint(self)
+        """The model's bytes and KV-shaping settings (:func:`~llama_cache.state.fingerprint.model_fingerprint`)."""
+        self.fingerprint = namespaced_fingerprint(self.model_fingerprint, cache_namespace)
+        """What this instance's states carry and the only states it restores: the model's fingerprint
+        in the current cache namespace."""
         model = self._model.model
         self._state_is_opaque = bool(
             llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
         )
         self._n_vocab_cached = int(self.n_vocab())
+        self.detokenizer = Detokenizer.for_llama(self)
+        """The exact text of this model's tokens (what :meth:`detokenize` renders with)."""
         # The state whose KV the context holds for its first `_base_valid` tokens: a later save
         # shares that part instead of copying it.
         self._base: LlamaState | None = None
@@ -122,8 +136,46 @@ class Llama(llama_cpp.Llama):
             raise TypeError(f"cache must be a BaseLlamaCache, got {type(cache).__name__}")
         bind = getattr(cache, "bind", None)
         if callable(bind) and getattr(cache, "fingerprint", "") is None:
-            bind(self.fingerprint, model_info=model_description(self))
+            bind(self.model_fingerprint, model_info=model_description(self))
         super().set_cache(cache)
+
+    def set_cache_namespace(self, namespace: str | None) -> None:
+        """Keep the states this instance caches and finds apart from every other namespace's.
+
+        For a server shared by tenants: in a namespace (an API key, a per-request salt), a prompt is a
+        hit only for states cached in the same namespace, in every tier, and reuses no KV that another
+        namespace left in the context, so neither the tokens served from the cache nor the time to
+        the first token tell one tenant what another has asked. States are filed under
+        :func:`~llama_cache.state.fingerprint.namespaced_fingerprint` (the model's fingerprint when
+        ``namespace`` is None or empty), which becomes :attr:`fingerprint`. Changing the namespace
+        empties the context (its KV belongs to the previous one); setting the current one again
+        changes nothing.
+
+        Raises:
+            TypeError, ValueError: ``namespace`` is not a str or is too long.
+        """
+        fingerprint = namespaced_fingerprint(self.model_fingerprint, namespace)
+        if fingerprint == self.fingerprint:
+            return
+        self._clear_context()
+        self._prompt_logits = None
+        self._pending_prompt_state = None
+        self.fingerprint = fingerprint
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        """As ``llama_cpp.Llama.detokenize``, with every piece whole (see :class:`Detokenizer`).
+
+        Completions render their text through this method, so their text is whole too. A tokenizer
+        given to the constructor (``tokenizer=``, e.g. a Hugging Face one) renders as before.
+
+        Raises:
+            ValueError: a token is not in the vocabulary.
+        """
+        if type(self.tokenizer_) is not llama_cpp.llama_tokenizer.LlamaTokenizer:
+            return super().detokenize(list(tokens), prev_tokens=None if prev_tokens is None else list(prev_tokens),
+                                      special=special)
+        return self.detokenizer.detokenize(tokens, special=special)
 
     # -- evaluation and sampling -------------------------------------------------------------------
 
@@ -224,7 +276,7 @@ class Llama(llama_cpp.Llama):
         if self.cache is None or not prompt:
             return None
         try:
-            state = self.cache[prompt]
+            state = self._lookup_in_namespace(self.cache, prompt)
         except KeyError:
             return None
         except Exception as error:  # noqa: BLE001 - a broken cache must never fail a completion
@@ -459,6 +511,10 @@ class Llama(llama_cpp.Llama):
 
     def _after_refused_state(self) -> None:
         """After llama.cpp refused a state: an empty context, nothing derived from the old one."""
+        self._clear_context()
+
+    def _clear_context(self) -> None:
+        """An empty context (its KV cells removed), nothing derived from what it held."""
         llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), True)
         if self.checkpoints is not None:
             notify_memory_cleared(self._ctx.ctx)
@@ -512,7 +568,7 @@ class Llama(llama_cpp.Llama):
         self._pending_prompt_state = None
         cache = self.cache
         if cache is not None:
-            self.cache = _FailSafeCache(cache)  # type: ignore[assignment]
+            self.cache = _FailSafeCache(cache, self._lookup_in_namespace)  # type: ignore[assignment]
         try:
             for chunk in super()._create_completion(*args, **kwargs):
                 self._store_prompt_state()
@@ -521,6 +577,24 @@ class Llama(llama_cpp.Llama):
         finally:
             if isinstance(self.cache, _FailSafeCache):
                 self.cache = cache
+
+    def _lookup_in_namespace(self, cache: Any, key: Sequence[int]) -> Any:
+        """The state ``cache`` answers ``key`` with in this instance's namespace (KeyError: none).
+
+        llama-cache's caches are asked for this namespace's states (the shared prefix only: that is
+        what is restored); any other cache only in the model's own namespace, since it cannot tell
+        namespaces apart.
+        """
+        if isinstance(cache, _FailSafeCache):
+            return cache[key]
+        namespaced = self.fingerprint != self.model_fingerprint
+        if isinstance(cache, BaseLlamaCache):
+            # In the model's own namespace, the cache's binding decides (an unbound cache answers from
+            # every model's states, and a state of another model is a logged miss at restore).
+            return cache.lookup_prefix(key, namespace=self.fingerprint if namespaced else None)
+        if namespaced:
+            raise KeyError("this cache cannot keep namespaces apart")
+        return cache[key]
 
     def _store_prompt_state(self) -> None:
         pending, self._pending_prompt_state = self._pending_prompt_state, None
@@ -536,10 +610,11 @@ class _FailSafeCache:
     stores that raise are logged and dropped. Everything else is the wrapped cache's.
     """
 
-    __slots__ = ("_cache", "_query")
+    __slots__ = ("_cache", "_lookup", "_query")
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Any, lookup: Callable[[Any, Sequence[int]], Any]) -> None:
         self._cache = cache
+        self._lookup = lookup  # (cache, key) -> state, in the completion's namespace
         self._query: Sequence[int] | None = None
 
     def take_query(self) -> Sequence[int] | None:
@@ -555,10 +630,7 @@ class _FailSafeCache:
         try:
             # Our tiers read only what the prompt shares with the answering entry (the disk tier's
             # chunks up to the divergence); any other cache answers as its own __getitem__ does.
-            if isinstance(self._cache, BaseLlamaCache):
-                value = self._cache.lookup_prefix(key)
-            else:
-                value = self._cache[key]
+            value = self._lookup(self._cache, key)
         except KeyError:
             raise
         except Exception as error:  # noqa: BLE001 - any cache failure is a miss

@@ -112,20 +112,29 @@ class BaseLlamaCache(_upstream.BaseLlamaCache):
     @abstractmethod
     def __getitem__(self, key: Sequence[int]) -> Any: ...
 
-    def lookup_prefix(self, key: Sequence[int]) -> Any:
+    def lookup_prefix(self, key: Sequence[int], *, namespace: str | None = None) -> Any:
         """Like ``cache[key]``, but the state may hold only the prefix ``key`` shares with the entry.
 
         For callers that restore only the shared prefix anyway (``llama_cache.Llama`` does): a tier
         that can read less than a whole entry (the disk tier reads only the chunks up to the
         divergence) overrides this. By default, ``cache[key]``.
 
+        ``namespace``: answer from the states filed under this fingerprint only (see
+        :func:`~llama_cache.state.fingerprint.namespaced_fingerprint`: a tenant's), whatever the cache is
+        bound to; None: as ``cache[key]`` (the bound namespace). A cache that cannot tell namespaces
+        apart (this default) answers only for its own bound one, and misses for any other.
+
         Raises:
             KeyError: as ``cache[key]``.
         """
+        if namespace is not None and namespace != getattr(self, "fingerprint", None):
+            as_token_array(key)
+            raise KeyError("this cache holds no states of that namespace")
         return self[key]
 
-    def match_length(self, key: Sequence[int]) -> int:
-        """How many leading tokens of ``key`` the state ``lookup_prefix(key)`` would restore; 0 on a miss.
+    def match_length(self, key: Sequence[int], *, namespace: str | None = None) -> int:
+        """How many leading tokens of ``key`` the state ``lookup_prefix(key, namespace=namespace)`` would
+        restore; 0 on a miss.
 
         Asked without loading anything and without changing recency or counters, so that a tiered cache
         can pick the tier holding the longest prefix before reading from any. This default answers 0,

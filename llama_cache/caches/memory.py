@@ -136,11 +136,12 @@ class IndexedMemoryCache(BaseLlamaCache):
             return own
         return self._namespace if self._namespace is not None else UNBOUND_NAMESPACE
 
-    def _best(self, query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
-        """The answer to ``query`` from the bound namespace, or the best over all (ties: most recently
-        used). Lock held."""
-        if self._namespace is not None:
-            index = self._indexes.get(self._namespace)
+    def _best(self, query: npt.NDArray[np.int32], namespace: str | None = None) -> Match[_Entry] | None:
+        """The answer to ``query`` from ``namespace`` (None: the bound one), or the best over all when
+        neither is set (ties: most recently used). Lock held."""
+        namespace = namespace if namespace is not None else self._namespace
+        if namespace is not None:
+            index = self._indexes.get(namespace)
             return None if index is None else self._match(index, query)
         matches = [match for index in self._indexes.values() if (match := self._match(index, query)) is not None]
         return max(matches, key=lambda match: (match.common, match.value.used), default=None)
@@ -170,9 +171,14 @@ class IndexedMemoryCache(BaseLlamaCache):
             KeyError: no stored key answers ``key``.
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
+        return self.lookup_prefix(key)
+
+    def lookup_prefix(self, key: Sequence[int], *, namespace: str | None = None) -> Any:
+        """As ``cache[key]`` (whole states: they are in memory), from ``namespace`` when given (see
+        :meth:`BaseLlamaCache.lookup_prefix`)."""
         query = as_token_array(key)
         with self._lock:
-            match = self._best(query)
+            match = self._best(query, namespace)
             if match is None:
                 self._misses += 1
                 raise KeyError("no cached prefix for this key")
@@ -189,17 +195,17 @@ class IndexedMemoryCache(BaseLlamaCache):
         with self._lock:
             return self._best(query) is not None
 
-    def match_length(self, key: Sequence[int]) -> int:
-        """Leading tokens of ``key`` shared with the key of the entry ``cache[key]`` would return; 0 on
-        a miss (or when only a stored empty key answers). O(K) in the key's length, one radix lookup;
-        changes neither recency nor counters.
+    def match_length(self, key: Sequence[int], *, namespace: str | None = None) -> int:
+        """Leading tokens of ``key`` shared with the key of the entry ``lookup_prefix(key, namespace=...)``
+        would return; 0 on a miss (or when only a stored empty key answers). O(K) in the key's length,
+        one radix lookup; changes neither recency nor counters.
 
         Raises:
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
         query = as_token_array(key)
         with self._lock:
-            match = self._best(query)
+            match = self._best(query, namespace)
             return 0 if match is None else match.common
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:

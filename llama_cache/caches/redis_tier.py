@@ -351,15 +351,21 @@ class LlamaRedisCache(BaseLlamaCache):
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
         return self.match_length(key) > 0
 
-    def match_length(self, key: Sequence[int]) -> int:
-        """Tokens of ``key`` a lookup would restore (0 on a miss), from metadata alone (one round trip)."""
+    def match_length(self, key: Sequence[int], *, namespace: str | None = None) -> int:
+        """Tokens of ``key`` a lookup would restore (0 on a miss), from metadata alone (one round trip).
+        ``namespace``: that fingerprint's states (None: the bound one)."""
         query = as_token_array(key)
-        plan = self._find(query)
+        plan = self._find(query, namespace or self._fingerprint)
         return 0 if plan is None else plan.length
 
     def __getitem__(self, key: Sequence[int]) -> Any:
+        return self.lookup_prefix(key)
+
+    def lookup_prefix(self, key: Sequence[int], *, namespace: str | None = None) -> Any:
+        """As ``cache[key]`` (this tier always answers with the shared prefix only), from the states of
+        ``namespace`` when given (see :meth:`BaseLlamaCache.lookup_prefix`)."""
         query = as_token_array(key)
-        state = self._lookup(query)
+        state = self._lookup(query, namespace or self._fingerprint)
         with self._lock:
             if state is None:
                 self._misses += 1
@@ -368,10 +374,6 @@ class LlamaRedisCache(BaseLlamaCache):
         if state is None:
             raise KeyError("no cached prefix for this key")
         return state
-
-    def lookup_prefix(self, key: Sequence[int]) -> Any:
-        """The same as ``cache[key]``: this tier always answers with the shared prefix only."""
-        return self[key]
 
     def __setitem__(self, key: Sequence[int], value: Any) -> None:
         """Store a llama-cache transformer state under ``key`` (its tokens, in its model's namespace).
@@ -399,15 +401,15 @@ class LlamaRedisCache(BaseLlamaCache):
             return
         self._store(value)
 
-    def touch(self, keys: Sequence[Sequence[int]]) -> None:
-        """Make the entries stored under exactly ``keys`` (in the bound namespace) the most recently
-        used, those still held; one round trip for all. For a faster tier's hits
+    def touch(self, keys: Sequence[Sequence[int]], *, namespace: str | None = None) -> None:
+        """Make the entries stored under exactly ``keys`` (in ``namespace``, else the bound namespace) the
+        most recently used, those still held; one round trip for all. For a faster tier's hits
         (:class:`~llama_cache.caches.tiered.TieredCache`). Never raises for Redis failures.
 
         Raises:
             TypeError, ValueError: a key is not a sequence of token ids.
         """
-        fingerprint = self._fingerprint
+        fingerprint = namespace or self._fingerprint
         members = [_digest(as_token_array(key)).hex() for key in keys]
         if fingerprint is None or not members:
             return
@@ -467,7 +469,7 @@ class LlamaRedisCache(BaseLlamaCache):
 
     # -------------------------------------------------------------------------------- lookups
 
-    def _find(self, query: npt.NDArray[np.int32]) -> _Plan | None:
+    def _find(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> _Plan | None:
         """The longest prefix of ``query`` the namespace's metadata knows chunks for.
 
         One round trip asks, for each of the query's full chunks, whether its id is stored (one field
@@ -476,7 +478,6 @@ class LlamaRedisCache(BaseLlamaCache):
         chain breaks earlier, to ask the same of the chunk where it breaks. The cost of each is the
         query's length, whatever the number of entries or of children.
         """
-        fingerprint = self._fingerprint
         if fingerprint is None or not len(query):
             return None
         known = self._layouts.get(fingerprint)
@@ -506,7 +507,7 @@ class LlamaRedisCache(BaseLlamaCache):
         if size != chunk_tokens:
             # The first lookup of this process (the chain length was unknown), or the namespace was
             # recreated meanwhile (Redis restarted): once more with the recorded length.
-            return self._find(query) if size is None or self.chunk_tokens is None else None
+            return self._find(query, fingerprint) if size is None or self.chunk_tokens is None else None
         present = found[: len(ids)]
         unbroken = next((k for k, ident in enumerate(ids) if present[k] != ident.hex().encode()), len(ids))
         if unbroken == len(ids):
@@ -518,8 +519,8 @@ class LlamaRedisCache(BaseLlamaCache):
             children = self._call("lookup", lambda: pipelined(self._client, asked)[0])
         return _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
 
-    def _lookup(self, query: npt.NDArray[np.int32]) -> LlamaState | None:
-        plan = self._find(query)
+    def _lookup(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> LlamaState | None:
+        plan = self._find(query, fingerprint)
         if plan is None or plan.length == 0:
             return None
         keys = [_chunk_key(ident) for ident, _, _ in plan.chunks]

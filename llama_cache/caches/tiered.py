@@ -46,6 +46,8 @@ thread and fork hooks share one queue and two locks; half of it is docstrings.
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -139,7 +141,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                                          idle_seconds=_IDLE_SECONDS)
         self._dropped = 0  # under `_lock`
         # Hits to refresh in slower tiers: key bytes -> (tokens, first tier to touch); under `_lock`.
-        self._touches: dict[bytes, tuple[TokenArray, int]] = {}
+        self._touches: dict[tuple[str | None, bytes], tuple[TokenArray, int]] = {}
         self._touch_queued = False
         lifecycle.register(self, stage=lifecycle.FRONT)
 
@@ -158,24 +160,25 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         """
         return self._lookup(key, shared_only=False)
 
-    def lookup_prefix(self, key: Sequence[int]) -> Any:
+    def lookup_prefix(self, key: Sequence[int], *, namespace: str | None = None) -> Any:
         """As ``cache[key]`` through the tiers' ``lookup_prefix``: the state may hold only the prefix
         ``key`` shares with the entry (the disk tier then reads only those chunks), and that is what is
-        promoted. ``llama_cache.Llama`` looks up through this method.
+        promoted. ``llama_cache.Llama`` looks up through this method. ``namespace``: every tier answers
+        from the states of that fingerprint only (see :meth:`BaseLlamaCache.lookup_prefix`).
 
         Raises:
             KeyError: no tier answers ``key``.
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        return self._lookup(key, shared_only=True)
+        return self._lookup(key, shared_only=True, namespace=namespace)
 
-    def match_length(self, key: Sequence[int]) -> int:
+    def match_length(self, key: Sequence[int], *, namespace: str | None = None) -> int:
         """The longest of the tiers' match lengths (a failing tier's is 0). O(K) per tier asked.
 
         Raises:
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        answers, _ = self._ask_tiers(as_token_array(key))
+        answers, _ = self._ask_tiers(as_token_array(key), namespace)
         return max((length for length, _ in answers), default=0)
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
@@ -187,12 +190,14 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         query = as_token_array(key)
         return any(self._guard(i, "look up", tier.__contains__, False, query) for i, tier in enumerate(self.tiers))
 
-    def _ask_tiers(self, query: TokenArray) -> tuple[list[tuple[int, int]], int]:
+    def _ask_tiers(self, query: TokenArray, namespace: str | None = None) -> tuple[list[tuple[int, int]], int]:
         """(match length, tier index) of the tiers asked, fastest first, up to one matching all of
         ``query`` (failing tiers left out); and the index of the first tier not asked."""
         answers = []
+        ask = (lambda tier: tier.match_length) if namespace is None else (
+            lambda tier: functools.partial(tier.match_length, namespace=namespace))
         for index, tier in enumerate(self.tiers):
-            length = self._guard(index, "look up", tier.match_length, None, query)
+            length = self._guard(index, "look up", ask(tier), None, query)
             if length is None:
                 continue
             answers.append((length, index))
@@ -200,15 +205,18 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                 return answers, index + 1
         return answers, len(self.tiers)
 
-    def _lookup(self, key: Sequence[int], shared_only: bool) -> Any:
+    def _lookup(self, key: Sequence[int], shared_only: bool, namespace: str | None = None) -> Any:
         query = as_token_array(key)
-        answers, not_asked = self._ask_tiers(query)
+        answers, not_asked = self._ask_tiers(query, namespace)
         order = [index for _, index in sorted(answers, key=lambda answer: (-answer[0], answer[1]))]
         for index in order + list(range(not_asked, len(self.tiers))):
             tier = self.tiers[index]
+            if namespace is not None:
+                load: Callable[..., Any] = functools.partial(tier.lookup_prefix, namespace=namespace)
+            else:
+                load = tier.lookup_prefix if shared_only else tier.__getitem__
             try:
-                value = self._guard(index, "load", tier.lookup_prefix if shared_only else tier.__getitem__,
-                                    _FAILED, query)
+                value = self._guard(index, "load", load, _FAILED, query)
             except KeyError:
                 continue
             if value is _FAILED:
@@ -244,7 +252,9 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             if len(self._touches) >= _MAX_TOUCHES:
                 return
             key = np.ascontiguousarray(tokens, dtype=np.int32)
-            self._touches[key.tobytes()] = (readonly(key.copy()), found_in + 1)
+            own = getattr(value, "fingerprint", None)
+            namespace = own if isinstance(own, str) and own else None
+            self._touches[(namespace, key.tobytes())] = (readonly(key.copy()), found_in + 1)
             if self._touch_queued:
                 return
             self._touch_queued = True
@@ -255,11 +265,15 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         """Pass the noted hits to the slower tiers' ``touch``, one call per tier; in the writer thread."""
         with self._lock:
             touches, self._touches, self._touch_queued = self._touches, {}, False
+        namespaces = {namespace for namespace, _ in touches}
         for index, tier in enumerate(self.tiers):
-            if callable(touch := getattr(tier, "touch", None)):
-                keys = [tokens for tokens, first in touches.values() if first <= index]
+            if not callable(touch := getattr(tier, "touch", None)):
+                continue
+            for namespace in namespaces:  # each state's recency is refreshed in its own namespace
+                keys = [tokens for (filed, _), (tokens, first) in touches.items() if filed == namespace and first <= index]
                 if keys:
-                    self._guard(index, "touch", touch, None, keys)
+                    call = touch if namespace is None else functools.partial(touch, namespace=namespace)
+                    self._guard(index, "touch", call, None, keys)
 
     # ------------------------------------------------------------------------------------- stores
 

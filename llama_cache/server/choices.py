@@ -88,7 +88,6 @@ class ChoiceRun:
     shape_chunks: Callable[[Iterator[dict[str, Any]], SequenceSampling], Iterator[dict[str, Any]]] | None = None
     saved_before_last_chunk: bool = False
     usage: Usage = field(default_factory=Usage)
-    _pieces: dict[int, bytes] = field(default_factory=dict)
 
     # -- whole answers ---------------------------------------------------------------------------
 
@@ -194,11 +193,7 @@ class ChoiceRun:
     # -- log probabilities -----------------------------------------------------------------------
 
     def _piece(self, token: int) -> bytes:
-        piece = self._pieces.get(token)
-        if piece is None:
-            piece = b"" if self._is_end(token) else bytes(self.llama.detokenize([token]))
-            self._pieces[token] = piece
-        return piece
+        return b"" if self._is_end(token) else self.llama.detokenizer.piece(token)
 
     def _starting_within(self, tokens: list[TokenLogprob], sent: int, upto: int = 0, start: int = 0
                          ) -> tuple[int, int]:

@@ -134,7 +134,7 @@ def load_engine(config: ServerConfig) -> Engine:
         limits=RequestLimits(max_messages=config.max_messages, max_prompt_bytes=text_bound.max_bytes),
         text_bound=text_bound,
         constraints=constraints,
-        system_fingerprint=system_fingerprint(first.fingerprint),
+        system_fingerprint=system_fingerprint(first.model_fingerprint),
         penalty_last_n=first.last_n_tokens_size,
     )
 

@@ -39,7 +39,11 @@ import xxhash
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["COVERED_PARAMS", "IGNORED_PARAMS", "file_identity", "model_description", "model_fingerprint"]
+__all__ = ["COVERED_PARAMS", "IGNORED_PARAMS", "MAX_NAMESPACE_BYTES", "file_identity", "model_description",
+           "model_fingerprint", "namespaced_fingerprint"]
+
+MAX_NAMESPACE_BYTES = 4096
+"""The longest cache namespace accepted, in UTF-8 bytes."""
 
 COVERED_PARAMS: tuple[str, ...] = (
     "n_seq_max",
@@ -218,3 +222,36 @@ def model_description(llm: llama_cpp.Llama) -> dict[str, str]:
         "desc": _model_desc(llm),
         "n_params": str(int(llama_cpp.llama_model_n_params(llm._model.model))),
     }
+
+
+def namespaced_fingerprint(fingerprint: str, namespace: str | None) -> str:
+    """The fingerprint of ``fingerprint``'s states in a cache namespace (a tenant, a salt).
+
+    Every cache files a state under its fingerprint, answers a lookup from one fingerprint's states, and
+    chains its chunk ids from it; a context restores only states of its own fingerprint. So states made
+    under one namespace are never found, restored, deduplicated against or timed from another: the
+    namespaces share nothing but the byte budgets. The value is derived the same way in every process
+    (a keyed BLAKE2b of both, 32 hex digits like a model's fingerprint), so instances sharing a tier
+    share each namespace; it does not reveal the namespace.
+
+    Args:
+        fingerprint: the model's (:func:`model_fingerprint`).
+        namespace: any text up to :data:`MAX_NAMESPACE_BYTES` UTF-8 bytes; None or "": the model's own
+            namespace (``fingerprint`` itself).
+
+    Raises:
+        TypeError: ``namespace`` is not a str.
+        ValueError: it is too long.
+    """
+    if namespace is None or namespace == "":
+        return fingerprint
+    if not isinstance(namespace, str):
+        raise TypeError(f"a cache namespace must be a str, got {type(namespace).__name__}")
+    raw = namespace.encode("utf-8", "surrogatepass")
+    if len(raw) > MAX_NAMESPACE_BYTES:
+        raise ValueError(f"a cache namespace is at most {MAX_NAMESPACE_BYTES} bytes, got {len(raw)}")
+    digest = hashlib.blake2b(key=b"llama-cache namespace", digest_size=16)
+    digest.update(fingerprint.encode("utf-8"))
+    digest.update(b"\0")
+    digest.update(raw)
+    return digest.hexdigest()

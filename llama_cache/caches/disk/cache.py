@@ -318,7 +318,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             logger.warning("disk cache: index unavailable (%s); answering no", error)
             return False
 
-    def match_length(self, key: Sequence[int]) -> int:
+    def match_length(self, key: Sequence[int], *, namespace: str | None = None) -> int:
         """Leading tokens of ``key`` the state ``lookup_prefix(key)`` would restore, 0 on a miss: the
         common prefix with the best entry's key (a whole key for states that cannot be cut). From the
         in-memory index, O(K) per namespace searched; no payload read, no recency change.
@@ -331,7 +331,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         try:
             with self._lock:
                 self._store.sync()
-                match = self._store.view.best(query, self._namespace)
+                match = self._store.view.best(query, namespace or self._namespace)
         except Exception as error:  # noqa: BLE001 - a damaged index is a miss, never an error
             logger.warning("disk cache: index unavailable (%s); answering 0", error)
             return 0
@@ -350,26 +350,27 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         """
         return self._answer(key, shared_only=False)
 
-    def lookup_prefix(self, key: Sequence[int]) -> Any:
+    def lookup_prefix(self, key: Sequence[int], *, namespace: str | None = None) -> Any:
         """Like ``cache[key]``, reading only what ``key`` shares with the entry: the chunk-granular path.
 
         The same entry answers as for ``cache[key]``. When it diverges from ``key`` (or runs past its
         end), the state returned holds only the common prefix, without logits, and only the chunks
         covering that prefix are read: a prompt sharing 1,000 tokens with a 5,000-token entry reads
         1,000 tokens' KV. Otherwise the whole state comes back, as from ``cache[key]``.
-        ``llama_cache.Llama`` looks up through this method.
+        ``llama_cache.Llama`` looks up through this method. ``namespace``: answer from the states filed
+        under that fingerprint (see :meth:`BaseLlamaCache.lookup_prefix`); None: the bound one.
 
         Raises:
             KeyError: as ``cache[key]``.
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        return self._answer(key, shared_only=True)
+        return self._answer(key, shared_only=True, namespace=namespace)
 
-    def _answer(self, key: Sequence[int], shared_only: bool) -> Any:
+    def _answer(self, key: Sequence[int], shared_only: bool, namespace: str | None = None) -> Any:
         query = as_token_array(key)
         self._wait_for_writes()
         try:
-            state = self._lookup(query, shared_only)
+            state = self._lookup(query, shared_only, namespace or self._namespace)
         except Exception as error:  # noqa: BLE001 - whatever the directory holds, a lookup only misses
             logger.warning("disk cache: index unavailable or damaged (%s: %s); a miss", type(error).__name__, error)
             state = None
@@ -379,11 +380,11 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             raise KeyError("no cached prefix for this key")
         return state
 
-    def _lookup(self, query: npt.NDArray[np.int32], shared_only: bool) -> Any:
+    def _lookup(self, query: npt.NDArray[np.int32], shared_only: bool, namespace: str | None) -> Any:
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
                 self._store.sync()
-                match = self._store.view.best(query, self._namespace)
+                match = self._store.view.best(query, namespace)
             if match is None:
                 return None
             entry = match.value
