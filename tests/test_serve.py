@@ -248,15 +248,15 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
 ) -> None:
     tokenizer = server.engine.pool.slots[0].llama  # the one the app tokenizes prompts with
     entered, release = threading.Event(), threading.Event()
-    tokenize = tokenizer.tokenize
+    tokenize = tokenizer.tokenize_for
 
-    def slow_tokenize(text: bytes, *args: Any, **kwargs: Any) -> list[int]:
+    def slow_tokenize(fingerprint: str, text: bytes, *args: Any, **kwargs: Any) -> list[int]:
         if b"slow to tokenize" in text:  # stands in for a huge prompt
             entered.set()
             release.wait(timeout=60)
-        return tokenize(text, *args, **kwargs)
+        return tokenize(fingerprint, text, *args, **kwargs)
 
-    monkeypatch.setattr(tokenizer, "tokenize", slow_tokenize)
+    monkeypatch.setattr(tokenizer, "tokenize_for", slow_tokenize)
     answers: list[int] = []
 
     def post(path: str, body: dict[str, Any]) -> None:
@@ -551,7 +551,9 @@ def test_sigterm_finishes_the_running_request_flushes_the_disk_cache_and_exits(t
 # ------------------------------------------------------------------------------ routing and settings
 
 class _FakeLlama:
-    """Just what the pool reads from a context: its evaluated tokens."""
+    """Just what the pool reads from a context: its evaluated tokens and their cache namespace."""
+
+    fingerprint = "model"
 
     def __init__(self) -> None:
         import numpy as np
@@ -662,7 +664,7 @@ def test_a_prompt_goes_to_the_slot_sharing_its_head_when_the_cache_holds_less() 
 
     async def scenario() -> None:
         slots = [Slot(index=i, llama=_FakeLlama()) for i in range(3)]  # type: ignore[arg-type]
-        pool = SlotPool(slots, max_queue=4, cached=lambda tokens: cached_length["n"])
+        pool = SlotPool(slots, max_queue=4, cached=lambda tokens, fingerprint: cached_length["n"])
         first = await pool.acquire(head + [100])
         first.llama.hold(head + [100, 101])  # type: ignore[attr-defined]
         pool.release(first)
@@ -711,7 +713,7 @@ def test_a_prompt_sharing_the_head_of_an_answered_request_waits_for_its_slot() -
 
     async def scenario() -> None:
         slots = [Slot(index=i, llama=_FakeLlama()) for i in range(2)]  # type: ignore[arg-type]
-        pool = SlotPool(slots, max_queue=4, cached=lambda tokens: cached_length["n"])
+        pool = SlotPool(slots, max_queue=4, cached=lambda tokens, fingerprint: cached_length["n"])
         answered = await pool.acquire(head + [100])
         answered.llama.hold(head + [100, 101])  # type: ignore[attr-defined]
         pool.answered(answered, np.array(head + [100, 101], dtype=np.intc))  # its state is being saved
@@ -739,17 +741,18 @@ def test_the_tokenization_memo_keeps_the_latest_texts_and_their_exact_tokens() -
     from llama_cache.server.contexts import TokenizationMemo
 
     memo = TokenizationMemo(capacity_bytes=8)  # room for one one-byte text of one token (1 + 4 bytes)
-    memo.put((b"a", True, False), [1])
-    memo.put((b"b", True, False), [3])  # 10 bytes in all: "a" goes
-    assert memo.get((b"a", True, False)) is None and memo.get((b"b", True, False)) == [3]
+    memo.put(("ns", b"a", True, False), [1])
+    memo.put(("ns", b"b", True, False), [3])  # 10 bytes in all: "a" goes
+    assert memo.get(("ns", b"a", True, False)) is None and memo.get(("ns", b"b", True, False)) == [3]
     memo = TokenizationMemo(capacity_bytes=16)
-    memo.put((b"a", True, False), [1, 2])  # 9 bytes
-    memo.put((b"b", True, False), [3])  # 5 bytes
-    assert memo.get((b"a", True, False)) == [1, 2]  # now the most recently used
-    assert memo.get((b"a", False, False)) is None and memo.get((b"a", True, True)) is None
-    memo.put((b"c", True, False), [4])
-    assert memo.get((b"b", True, False)) is None  # the least recently used went
-    assert memo.get((b"a", True, False)) == [1, 2] and memo.get((b"c", True, False)) == [4]
+    memo.put(("ns", b"a", True, False), [1, 2])  # 9 bytes
+    memo.put(("ns", b"b", True, False), [3])  # 5 bytes
+    assert memo.get(("ns", b"a", True, False)) == [1, 2]  # now the most recently used
+    assert memo.get(("ns", b"a", False, False)) is None and memo.get(("ns", b"a", True, True)) is None
+    memo.put(("ns", b"c", True, False), [4])
+    assert memo.get(("ns", b"b", True, False)) is None  # the least recently used went
+    assert memo.get(("ns", b"a", True, False)) == [1, 2] and memo.get(("ns", b"c", True, False)) == [4]
+    assert memo.get(("other", b"a", True, False)) is None  # another namespace's tokenization is not found
     with pytest.raises(ValueError):
         TokenizationMemo(capacity_bytes=0)
 
@@ -763,7 +766,8 @@ def test_contexts_share_tokenizations_and_return_the_tokens_llama_cpp_does(
     for add_bos, special in ((True, True), (False, True), (True, False)):
         expected = reference.tokenize(text, add_bos=add_bos, special=special)
         assert first.tokenize(text, add_bos=add_bos, special=special) == expected
-        assert first.tokenized.get((text, add_bos, special)) == expected
+        assert first.tokenized.get((first.fingerprint, text, add_bos, special)) == expected
+        assert first.tokenized.get(("another namespace", text, add_bos, special)) is None
         again = second.tokenize(text, add_bos=add_bos, special=special)  # the memo's answer
         assert again == expected
         again.append(0)  # a caller's list is its own

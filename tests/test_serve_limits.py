@@ -172,15 +172,15 @@ def test_refused_huge_prompts_do_not_pin_memory(server: LiveServer) -> None:
 
 def test_the_tokenization_memo_is_bounded_by_bytes_and_keeps_no_prompt_too_long_to_serve() -> None:
     memo = TokenizationMemo(capacity_bytes=1000, max_tokens=50)
-    memo.put((b"a" * 100, True, False), list(range(49)))
-    assert memo.get((b"a" * 100, True, False)) == list(range(49))
-    memo.put((b"b" * 10, True, False), list(range(50)))  # a prompt that cannot fit: refused, so not kept
-    assert memo.get((b"b" * 10, True, False)) is None
+    memo.put(("ns", b"a" * 100, True, False), list(range(49)))
+    assert memo.get(("ns", b"a" * 100, True, False)) == list(range(49))
+    memo.put(("ns", b"b" * 10, True, False), list(range(50)))  # a prompt that cannot fit: refused, so not kept
+    assert memo.get(("ns", b"b" * 10, True, False)) is None
     for index in range(10):
-        memo.put((bytes([index]) * 200, True, False), [1, 2])
+        memo.put(("ns", bytes([index]) * 200, True, False), [1, 2])
     assert memo.nbytes <= 1000 and len(memo) == 4
-    memo.put((b"c" * 2000, True, False), [1])  # larger than the whole memo
-    assert memo.get((b"c" * 2000, True, False)) is None and memo.nbytes <= 1000
+    memo.put(("ns", b"c" * 2000, True, False), [1])  # larger than the whole memo
+    assert memo.get(("ns", b"c" * 2000, True, False)) is None and memo.nbytes <= 1000
 
 
 @pytest.mark.model

@@ -10,7 +10,9 @@
    on a server without this module.
 
 Keys are never logged, echoed in a response or kept in plain text by the middleware (only their
-SHA-256 digests).
+SHA-256 digests). A request let through with a key carries that key's digest in its scope
+(:func:`request_key_digest`): the routes keep each key's prompt cache apart with it, and name the key
+in the metrics by :func:`key_id`.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llama_cache.server.errors import ApiError
 
-__all__ = ["ApiKeyMiddleware", "access_middleware", "is_loopback"]
+__all__ = ["ApiKeyMiddleware", "access_middleware", "is_loopback", "key_id", "request_key_digest"]
 
 _HOW = "send it as 'Authorization: Bearer KEY' or 'X-Api-Key: KEY'"
+_SCOPE_KEY = "llama_cache.api_key_digest"
 
 
 class ApiKeyMiddleware:
@@ -39,7 +42,8 @@ class ApiKeyMiddleware:
 
     - A request to one of ``public_paths`` (exact match of the path) passes without a key.
     - Any other HTTP request passes when its ``Authorization: Bearer KEY`` (scheme case-insensitive) or
-      its ``X-Api-Key: KEY`` header holds one of the keys; otherwise it is answered 401 with OpenAI's
+      its ``X-Api-Key: KEY`` header holds one of the keys (the first such key's SHA-256 digest is then
+      in its scope: :func:`request_key_digest`); otherwise it is answered 401 with OpenAI's
       error body (``type`` ``invalid_request_error``, ``code`` ``invalid_api_key``, ``param`` null) and
       ``WWW-Authenticate: Bearer``, its body left unread and its connection closed, and ``on_refused``
       is called with its path.
@@ -74,7 +78,10 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         presented = _presented_keys(scope["headers"])
-        if any([self._accepts(key) for key in presented]):  # a list: every presented key is checked
+        accepted = [self._accepts(key) for key in presented]  # a list: every presented key is checked
+        digest = next((found for found in accepted if found is not None), None)
+        if digest is not None:
+            scope[_SCOPE_KEY] = digest
             await self.app(scope, receive, send)
             return
         if self._on_refused is not None:
@@ -85,16 +92,31 @@ class ApiKeyMiddleware:
                          headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
         await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
 
-    def _accepts(self, key: bytes) -> bool:
+    def _accepts(self, key: bytes) -> bytes | None:
+        """``key``'s digest if it is one of the keys, else None (every configured key compared)."""
         digest = _digest(key)
         matched = False
         for known in self._digests:
             matched |= hmac.compare_digest(digest, known)
-        return matched
+        return digest if matched else None
 
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
+
+
+def request_key_digest(scope: Scope) -> bytes | None:
+    """The SHA-256 digest of the API key the request was let through with; None without keys."""
+    digest = scope.get(_SCOPE_KEY)
+    return digest if isinstance(digest, bytes) else None
+
+
+def key_id(digest: bytes | None) -> str:
+    """How the metrics name a key: ``key-`` and 8 hex digits of a hash of its digest (``none`` without
+    one). Not the key, and too short to test guesses of a strong key against."""
+    if digest is None:
+        return "none"
+    return "key-" + hashlib.blake2b(digest, digest_size=4, person=b"llc-key-id").hexdigest()
 
 
 def _presented_keys(headers: Iterable[tuple[bytes, bytes]]) -> list[bytes]:

@@ -51,7 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from llama_cache.server.access import access_middleware
+from llama_cache.server.access import access_middleware, key_id, request_key_digest
 from llama_cache.server.config import ServerConfig
 from llama_cache.server.constraints import ConstraintError, SequenceConstraint
 from llama_cache.server.metrics import ServerMetrics
@@ -83,6 +83,7 @@ from llama_cache.server.responses import (
     structured_completion,
 )
 from llama_cache.server.choices import ChoiceRun
+from llama_cache.server.utilities import UtilityBusy, UtilityLane
 from llama_cache.server.sequences import LogitBias, Penalties, SequenceSampling, TokenLogprobs
 
 __all__ = ["DrainingServer", "create_app"]
@@ -103,8 +104,9 @@ def _error_response(error: ApiError) -> JSONResponse:
 class _Server:
     """The routes' shared state: the engine, its executor and the metrics."""
 
-    def __init__(self, engine: Engine, max_body_bytes: int, body_timeout: float) -> None:
+    def __init__(self, engine: Engine, max_body_bytes: int, body_timeout: float, keyed: bool = False) -> None:
         self.engine = engine
+        self.keyed = keyed  # API keys are configured: the metrics count tokens per key too
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.executor = ThreadPoolExecutor(max_workers=len(engine.pool.slots), thread_name_prefix="llama-cache-slot")
@@ -114,7 +116,9 @@ class _Server:
             running=lambda: engine.pool.running,
             slots=lambda: len(engine.pool.slots),
             compute=lambda: (engine.compute.waiting, engine.compute.tokens),
+            per_key=keyed,
         )
+        self.utilities = UtilityLane(threads=1, max_waiting=engine.pool.max_queue)
         self.jobs: set[Job] = set()
         self.worker_futures: set[asyncio.Future[Any]] = set()
         self.streams: set[asyncio.Queue[Any]] = set()
@@ -166,15 +170,19 @@ class _Server:
                 raise context_length_error("content", overflow, engine.n_ctx)
         except ApiError as error:
             return self._answer("/tokenize", _error_response(error))
-        tokenizer = engine.pool.slots[0].llama
+        tokenizer = engine.pool.slots[0].llama  # reads the shared vocabulary only
+        pieces_of = tokenizer.detokenizer
+        # Its tokenizations are remembered in the key's namespace, as a completion's are.
+        fingerprint = engine.namespace_fingerprint(engine.cache_namespace(request_key_digest(request.scope), None))
 
         def work() -> list[Any]:
-            tokens = tokenizer.tokenize(text, add_bos=flags["add_special"], special=True) if text else []
+            add_bos = flags["add_special"]
+            tokens = tokenizer.tokenize_for(fingerprint, text, add_bos=add_bos, special=True) if text else []
             if not flags["with_pieces"]:
                 return tokens
             pieces = []
             for token in tokens:
-                piece = tokenizer.detokenize([token], special=True)
+                piece = pieces_of.piece(token, special=True)
                 try:
                     shown: Any = piece.decode("utf-8")
                 except UnicodeDecodeError:
@@ -182,7 +190,11 @@ class _Server:
                 pieces.append({"id": token, "piece": shown})
             return pieces
 
-        return self._answer("/tokenize", JSONResponse({"tokens": await asyncio.to_thread(work)}))
+        try:
+            tokens = await self.utilities.run(work)
+        except UtilityBusy:
+            return self._answer("/tokenize", _error_response(_utilities_busy()))
+        return self._answer("/tokenize", JSONResponse({"tokens": tokens}))
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize`` as llama-server: ``{"tokens": [ids]}`` -> ``{"content"}`` (special tokens' texts included)."""
@@ -190,7 +202,11 @@ class _Server:
         try:
             body = parse_json_body(await read_body(request, self.max_body_bytes, self.body_timeout))
             tokens = body.get("tokens")
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            if not isinstance(tokens, list):
+                raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
+            if len(tokens) > engine.n_ctx:  # no more than a context holds, as for a prompt
+                raise context_length_error("tokens", f"{len(tokens)} tokens long", engine.n_ctx)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
             bad = next((t for t in tokens if not 0 <= t < engine.n_vocab), None)
             if bad is not None:
@@ -198,8 +214,12 @@ class _Server:
                                param="tokens", code="invalid_value")
         except ApiError as error:
             return self._answer("/detokenize", _error_response(error))
-        tokenizer = engine.pool.slots[0].llama
-        text = await asyncio.to_thread(lambda: tokenizer.detokenize(tokens, special=True).decode("utf-8", "replace"))
+        detokenizer = engine.pool.slots[0].llama.detokenizer
+        try:
+            text = await self.utilities.run(
+                lambda: detokenizer.detokenize(tokens, special=True).decode("utf-8", "replace"))
+        except UtilityBusy:
+            return self._answer("/detokenize", _error_response(_utilities_busy()))
         return self._answer("/detokenize", JSONResponse({"content": text}))
 
     async def health(self, request: Request) -> Response:
@@ -219,9 +239,11 @@ class _Server:
 
     # -- completions ------------------------------------------------------------------------------
 
-    def _parse(self, endpoint: str, raw: bytes, job: Job) -> tuple[CompletionRequest | ChatRequest, list[int], int]:
-        """The validated request, its prompt's tokens and how many of them the prompt cache would restore.
-        Runs in a thread, beside running completions.
+    def _parse(self, endpoint: str, raw: bytes, job: Job, key_digest: bytes | None
+               ) -> tuple[CompletionRequest | ChatRequest, list[int], int, str | None]:
+        """The validated request, its prompt's tokens, how many of them the prompt cache would restore
+        and its cache namespace (its API key's, as ``key_digest`` names it, and its ``cache_salt``: see
+        :meth:`.Engine.cache_namespace`). Runs in a thread, beside running completions.
 
         Everything a request may cost is checked before the work it bounds (:mod:`.limits`): the body's
         values, then the fields, the schemas and the text's size, then the template is rendered and the
@@ -240,6 +262,8 @@ class _Server:
         parsed: CompletionRequest | ChatRequest
         if endpoint == "/v1/completions":
             parsed = parse_completion_request(body, engine.n_ctx, engine.n_vocab, limits)
+            namespace = engine.cache_namespace(key_digest, parsed.cache_salt)
+            fingerprint = engine.namespace_fingerprint(namespace)
             if isinstance(parsed.prompt, list):
                 tokens = parsed.prompt
             elif parsed.prompt:
@@ -247,15 +271,18 @@ class _Server:
                 overflow = engine.text_bound.overflow(text, special=True)
                 if overflow is not None:
                     raise context_length_error("prompt", overflow, engine.n_ctx)
-                tokens = tokenizer.tokenize(text, special=True)
+                tokens = tokenizer.tokenize_for(fingerprint, text, special=True)
             else:
                 tokens = [tokenizer.token_bos()]
             param = "prompt"
         else:
             parsed = parse_chat_request(body, engine.n_ctx, engine.n_vocab, limits)
+            namespace = engine.cache_namespace(key_digest, parsed.cache_salt)
+            fingerprint = engine.namespace_fingerprint(namespace)
             try:
                 tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, bound=engine.text_bound,
-                                                cancelled=job.cancel.is_set, **parsed.template_options)
+                                                cancelled=job.cancel.is_set, fingerprint=fingerprint,
+                                                **parsed.template_options)
             except PromptTooLong as error:
                 raise context_length_error("messages", f"{error.size} once rendered", engine.n_ctx) from None
             except ValueError as error:
@@ -263,13 +290,14 @@ class _Server:
             param = "messages"
         if len(tokens) >= engine.n_ctx:
             raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
-        return parsed, tokens, self._cached_length(tokens)
+        return parsed, tokens, self._cached_length(tokens, fingerprint), namespace
 
-    def _cached_length(self, tokens: list[int]) -> int:
-        """How many leading tokens of a prompt the prompt cache would restore, asked of every tier (O(K)
-        in RAM and on disk, a few round trips in Redis; nothing loaded). A failing cache holds nothing."""
+    def _cached_length(self, tokens: list[int], fingerprint: str) -> int:
+        """How many leading tokens of a prompt the prompt cache would restore in the namespace of
+        ``fingerprint``, asked of every tier (O(K) in RAM and on disk, a few round trips in Redis;
+        nothing loaded). A failing cache holds nothing."""
         try:
-            return int(self.engine.cache.match_length(tokens))
+            return int(self.engine.cache.match_length(tokens, namespace=fingerprint))
         except Exception as error:  # noqa: BLE001 - routing only
             logger.debug("prompt cache match_length failed: %s: %s", type(error).__name__, error)
             return 0
@@ -290,8 +318,10 @@ class _Server:
             raise ApiError(400, f"'{structured.param}': {error}", param=structured.param, code=error.code) from None
 
     def _run(self, parsed: CompletionRequest | ChatRequest, tokens: list[int], job: Job,
-             constraints: list[SequenceConstraint] | None = None) -> Callable[[SlotLlama], Any]:
-        """What the request's worker thread runs: its choices (:class:`.ChoiceRun`), whole or streamed."""
+             constraints: list[SequenceConstraint] | None = None, namespace: str | None = None
+             ) -> Callable[[SlotLlama], Any]:
+        """What the request's worker thread runs: its choices (:class:`.ChoiceRun`), whole or streamed,
+        in its cache namespace."""
         model = parsed.model or self.engine.model_name
         sampling = parsed.sampling
         bias = LogitBias(sampling.logit_bias) if sampling.logit_bias else None
@@ -331,9 +361,15 @@ class _Server:
                     messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
                     **parsed.template_options, **options, **seed(sequence), **processors(sequence))
 
+        echo = None
+        if isinstance(parsed, CompletionRequest) and parsed.echo:
+            # The prompt as sent, or its tokens' text (llama-cpp-python's own echo joins a list of ids to
+            # a string, and streams without it).
+            echo = parsed.prompt if isinstance(parsed.prompt, str) else self.engine.pool.slots[0].llama.detokenize(
+                tokens).decode("utf-8", "replace")
         run = ChoiceRun(llama=None, samplings=samplings, start=start, chat=isinstance(parsed, ChatRequest),
                         fingerprint=self.engine.system_fingerprint, cancelled=job.cancel.is_set,
-                        saved_before_last_chunk=getattr(self.engine.cache, "write_through", False))
+                        saved_before_last_chunk=getattr(self.engine.cache, "write_through", False), echo=echo)
         def cut_short(sequence: SequenceSampling) -> bool:
             return sequence.constraint is not None and sequence.constraint.error is not None
 
@@ -350,6 +386,7 @@ class _Server:
         job.run = run
 
         def call(llama: SlotLlama) -> Any:
+            llama.set_cache_namespace(namespace)  # before anything reads the context's live tokens
             run.llama = llama
             return run.stream(sampling.include_usage) if parsed.stream else run.complete()
 
@@ -368,7 +405,9 @@ class _Server:
         handed_over = False
         try:
             try:
-                parsed, tokens, cached = await asyncio.to_thread(self._parse, endpoint, raw, job)
+                key_digest = request_key_digest(request.scope)
+                parsed, tokens, cached, namespace = await asyncio.to_thread(self._parse, endpoint, raw, job,
+                                                                            key_digest)
                 constraints = None
                 if parsed.structured is not None:
                     constraints = await asyncio.to_thread(self._constraints, parsed.structured, parsed.sampling.n)
@@ -377,12 +416,13 @@ class _Server:
             except RenderingCancelled:
                 return self._answer(endpoint, Response(status_code=CLIENT_CLOSED))
             del raw  # the body's bytes are not kept while the request waits and runs
-            slot = await self._acquire(endpoint, tokens, cached, watcher)
+            slot = await self._acquire(endpoint, tokens, cached, watcher, self.engine.namespace_fingerprint(namespace))
             if slot is None:
                 self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
                 return Response(status_code=CLIENT_CLOSED)
             loop = asyncio.get_running_loop()
-            call = self._run(parsed, tokens, job, constraints)
+            job.key = key_id(key_digest) if self.keyed else None
+            call = self._run(parsed, tokens, job, constraints, namespace)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
                 self.streams.add(queue)
@@ -435,13 +475,15 @@ class _Server:
             if not handed_over:
                 watcher.close()
 
-    async def _acquire(self, endpoint: str, tokens: list[int], cached: int, watcher: Disconnect) -> Slot | None:
-        """A slot, or None when the client left while queued.
+    async def _acquire(self, endpoint: str, tokens: list[int], cached: int, watcher: Disconnect,
+                       fingerprint: str) -> Slot | None:
+        """A slot (routed within the cache namespace of ``fingerprint``), or None when the client left
+        while queued.
 
         Raises:
             _Refused: the queue is full (carries the 503 response with ``Retry-After``).
         """
-        acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens, cached))
+        acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens, cached, fingerprint))
         gone = asyncio.ensure_future(watcher.gone.wait())
         cut = asyncio.ensure_future(self.cut.wait())
         try:
@@ -515,6 +557,8 @@ class _Server:
         if usage is not None and usage.prompt_tokens:
             metrics.prompt_tokens.inc(usage.prompt_tokens)
             metrics.prompt_tokens_cached.inc(usage.cached_tokens)
+            if job.key is not None:
+                metrics.count_key_tokens(job.key, usage.prompt_tokens, usage.cached_tokens)
         if job.sampled:
             metrics.generation_tokens.inc(job.sampled)
 
@@ -547,7 +591,13 @@ class _Server:
         if self.worker_futures:
             await asyncio.wait(set(self.worker_futures))
         self.executor.shutdown(wait=True)
+        await asyncio.to_thread(self.utilities.close)
         await asyncio.to_thread(self.engine.close)
+
+
+def _utilities_busy() -> ApiError:
+    return ApiError(503, "too many tokenize and detokenize requests are waiting; retry later", type="server_error",
+                    code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
 def _shutting_down() -> ApiError:
@@ -612,13 +662,21 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
     """
     settings = config if config is not None else ServerConfig()
     server = _Server(engine, settings.max_body_bytes if max_body_bytes is None else max_body_bytes,
-                     settings.body_timeout)
+                     settings.body_timeout, keyed=bool(settings.api_keys))
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)
         endpoint = request.url.path
         server.metrics.requests.labels(endpoint, str(exc.response.status_code)).inc()
         return exc.response
+
+    async def failed(request: Request, exc: Exception) -> Response:
+        # Whatever a route did not answer itself: a JSON body, counted, never a plain-text 500.
+        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        path = request.url.path
+        server.metrics.requests.labels(path if path in endpoints else "other", "500").inc()
+        error = ApiError(500, "the server failed to answer this request", type="server_error")
+        return _error_response(error)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -651,7 +709,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
         middleware=access_middleware(
             api_keys=settings.api_keys, cors_origins=settings.cors_origins, on_refused=unauthorized,
             public_paths=("/health", "/metrics") if settings.metrics_public else ("/health",)),
-        exception_handlers={_Refused: refused},
+        exception_handlers={_Refused: refused, Exception: failed},
         lifespan=lifespan,
     )
     app.state.metrics = server.metrics

@@ -18,7 +18,9 @@ streamed:
   or the legacy completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). A
   token is listed once the text it starts has been returned: the tokens of a stop sequence cut from the
   text, and the end-of-generation token, are not;
-- ``system_fingerprint`` on every response and chunk; ``"content": ""`` in a chat stream's first delta.
+- ``system_fingerprint`` on every response and chunk; ``"content": ""`` in a chat stream's first delta;
+- ``echo`` (text completions): each choice's text starts with the prompt's, whole and streamed (its
+  first chunk carries it).
 
 A stream yields :data:`ANSWERED` right after its last chunk for the client: what runs after it (the
 prompt cache's save) is bookkeeping (see :func:`.slots.run_job`).
@@ -76,6 +78,8 @@ class ChoiceRun:
         saved_before_last_chunk: a stream's last chunk waits until the completion's state is saved
             into the prompt cache (llama-cpp-python saves it after the chunk): with a write-through
             cache, the state is then in the shared tier before the client can send its next turn.
+        echo: the prompt's text, which starts every choice's text (text completions' ``echo``); None:
+            no echo.
     """
 
     llama: Any
@@ -87,6 +91,7 @@ class ChoiceRun:
     shape: Callable[[dict[str, Any], SequenceSampling], dict[str, Any]] | None = None
     shape_chunks: Callable[[Iterator[dict[str, Any]], SequenceSampling], Iterator[dict[str, Any]]] | None = None
     saved_before_last_chunk: bool = False
+    echo: str | None = None
     usage: Usage = field(default_factory=Usage)
 
     # -- whole answers ---------------------------------------------------------------------------
@@ -103,6 +108,8 @@ class ChoiceRun:
             first = first or result
             choice = dict(result["choices"][0])
             choice["index"] = index
+            if self.echo is not None:
+                choice["text"] = self.echo + (choice.get("text") or "")
             if sampling.logprobs is not None:
                 generated = raw["choices"][0]
                 text = (generated.get("message") or {}).get("content") if self.chat else generated.get("text")
@@ -130,6 +137,7 @@ class ChoiceRun:
             # Tokens whose log probabilities were sent, and their text's bytes and characters.
             listed = listed_bytes = listed_chars = 0
             finished = False
+            echo = self.echo
             for chunk in chunks:
                 if finished:
                     continue  # run the generator to its end: it saves the prompt's state there
@@ -144,6 +152,9 @@ class ChoiceRun:
                     choice["logprobs"] = self._logprobs(tokens[listed:upto], listed_chars) if upto > listed else None
                     listed_chars += sum(_characters(self._piece(t.token)) for t in tokens[listed:upto])
                     listed = upto
+                if echo is not None:  # the choice's first chunk starts with the prompt
+                    choice["text"] = echo + (choice.get("text") or "")
+                    echo = None
                 last = {**chunk, "system_fingerprint": self.fingerprint, "choices": [choice]}
                 if choice.get("finish_reason") is not None:
                     finished = True

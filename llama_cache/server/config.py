@@ -111,6 +111,9 @@ class ServerConfig:
         api_keys: the keys a request may present (``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``),
             each of visible ASCII characters; empty: no key is asked for. ``/health`` never asks.
         metrics_public: ``/metrics`` answers without a key when keys are set.
+        cache_shared_across_keys: with API keys, every key's requests share one prompt cache, as
+            without keys (a key's client can then tell, from ``cached_tokens`` and the time to the first
+            token, which prompts another key sent); off (the default): a cache namespace per key.
         cors_origins: the origins (``scheme://host[:port]``, or ``*`` for any) whose pages a browser
             lets call the API; empty: no CORS headers, browsers allow only same-origin pages.
         ssl_keyfile, ssl_certfile: a PEM private key and certificate chain to serve HTTPS with; both
@@ -147,6 +150,7 @@ class ServerConfig:
     body_timeout: float = DEFAULT_BODY_TIMEOUT
     api_keys: tuple[str, ...] = ()
     metrics_public: bool = False
+    cache_shared_across_keys: bool = False
     cors_origins: tuple[str, ...] = ()
     ssl_keyfile: Path | None = None
     ssl_certfile: Path | None = None
@@ -246,6 +250,10 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
                      f"(default {DEFAULT_BODY_TIMEOUT:g})"),
     # A flag on the command line (bool), on or off in the environment.
     "metrics_public": ("LLAMA_CACHE_METRICS_PUBLIC", bool, "serve /metrics without a key when keys are set"),
+    "cache_shared_across_keys": ("LLAMA_CACHE_CACHE_SHARED_ACROSS_KEYS", bool,
+                                 "let every API key's requests share one prompt cache (default: one per key; "
+                                 "shared, a key's client can tell from cached_tokens and timing which prompts "
+                                 "other keys sent)"),
     "cors_origins": ("LLAMA_CACHE_CORS_ORIGINS", comma_list,
                      "origins whose pages browsers may let call the API, comma-separated, or * for any "
                      "(default: none)"),

@@ -204,16 +204,33 @@ class SlotLlama(Llama):
         return self.n_tokens
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
-        """As ``llama_cpp.Llama.tokenize``; a text tokenized lately by any context is looked up in ``tokenized``."""
+        """As ``llama_cpp.Llama.tokenize``; a text tokenized lately in this context's cache namespace
+        by any context is looked up in ``tokenized``."""
+        return self.tokenize_for(self.fingerprint, text, add_bos, special)
+
+    def tokenize_for(self, fingerprint: str, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """As :meth:`tokenize`, for a request of the cache namespace ``fingerprint``: the memo's entries
+        are a namespace's own, so how fast a text is tokenized tells nothing of other namespaces' texts.
+        Thread-safe (it reads the shared vocabulary only)."""
         memo = self.tokenized
         if memo is None:
             return super().tokenize(text, add_bos, special)
-        key = (bytes(text), bool(add_bos), bool(special))
+        key = (fingerprint, bytes(text), bool(add_bos), bool(special))
         tokens = memo.get(key)
         if tokens is None:
             tokens = super().tokenize(text, add_bos, special)
             memo.put(key, tokens)
         return list(tokens)
+
+    def set_cache_namespace(self, namespace: str | None) -> None:
+        """As :meth:`llama_cache.Llama.set_cache_namespace`, on the compute thread: another context
+        lending its head of tokens there (:meth:`_take_head_from_a_sibling`) never sees this one's KV
+        under its new namespace."""
+        change = super().set_cache_namespace
+        if self.compute is None or self.compute.on_thread():
+            change(namespace)
+        else:
+            self.compute.call(lambda: change(namespace))
 
     def save_state(self) -> Any:
         """As :meth:`llama_cache.Llama.save_state`, on the compute thread (see :meth:`.ComputeThread.call`)."""
@@ -234,6 +251,10 @@ class SlotLlama(Llama):
             existing = kwargs.get("stopping_criteria") or []
             kwargs["stopping_criteria"] = llama_cpp.StoppingCriteriaList([*existing, extra])
         return super()._create_completion(*args, **kwargs)
+
+
+MemoKey = tuple[str, bytes, bool, bool]
+"""A tokenization's key: (cache namespace, text, add_bos, special)."""
 
 
 class TokenizationMemo:
@@ -259,14 +280,14 @@ class TokenizationMemo:
         self.capacity_bytes = capacity_bytes
         self.max_tokens = max_tokens
         self.nbytes = 0
-        self._entries: OrderedDict[tuple[bytes, bool, bool], array[int]] = OrderedDict()
+        self._entries: OrderedDict[MemoKey, array[int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: tuple[bytes, bool, bool]) -> list[int] | None:
-        """The tokens stored for (text, add_bos, special), or None."""
+    def get(self, key: MemoKey) -> list[int] | None:
+        """The tokens stored for (namespace, text, add_bos, special), or None."""
         with self._lock:
             tokens = self._entries.get(key)
             if tokens is None:
@@ -274,8 +295,8 @@ class TokenizationMemo:
             self._entries.move_to_end(key)
             return tokens.tolist()
 
-    def put(self, key: tuple[bytes, bool, bool], tokens: Sequence[int]) -> None:
-        """Remember ``tokens`` for (text, add_bos, special), dropping the least recently used beyond capacity.
+    def put(self, key: MemoKey, tokens: Sequence[int]) -> None:
+        """Remember ``tokens`` for (namespace, text, add_bos, special), dropping the least recently used beyond capacity.
 
         Tokenizations of ``max_tokens`` or more tokens, and entries larger than the whole capacity, are
         not kept.
@@ -297,8 +318,8 @@ class TokenizationMemo:
                 self.nbytes -= self._size(dropped_key, dropped)
 
     @staticmethod
-    def _size(key: tuple[bytes, bool, bool], tokens: array[int]) -> int:
-        return len(key[0]) + tokens.itemsize * len(tokens)
+    def _size(key: MemoKey, tokens: array[int]) -> int:
+        return len(key[1]) + tokens.itemsize * len(tokens)
 
 
 class PromptTooLong(Exception):
@@ -327,10 +348,12 @@ class _PromptProbe:
     the real call will evaluate, for routing and for the context-length check.
     """
 
-    def __init__(self, llama: Llama, bound: PromptTextBound | None, cancelled: Callable[[], bool] | None) -> None:
+    def __init__(self, llama: Llama, bound: PromptTextBound | None, cancelled: Callable[[], bool] | None,
+                 fingerprint: str | None = None) -> None:
         self._llama = llama
         self._bound = bound
         self._cancelled = cancelled
+        self._fingerprint = fingerprint
         self.verbose = False
 
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -340,11 +363,16 @@ class _PromptProbe:
             raise PromptTooLong(overflow)
         if self._cancelled is not None and self._cancelled():
             raise RenderingCancelled()
+        return self._tokenize(text, add_bos, special)
+
+    def _tokenize(self, text: bytes, add_bos: bool, special: bool) -> list[int]:
+        if self._fingerprint is not None and isinstance(self._llama, SlotLlama):
+            return self._llama.tokenize_for(self._fingerprint, text, add_bos, special)
         return self._llama.tokenize(text, add_bos, special)
 
     def create_completion(self, prompt: Any = None, **_: Any) -> Any:
         if isinstance(prompt, str):
-            raise _Captured(self._llama.tokenize(prompt.encode("utf-8"), special=True))
+            raise _Captured(self._tokenize(prompt.encode("utf-8"), True, True))
         raise _Captured(list(prompt))
 
     def __getattr__(self, name: str) -> Any:
@@ -352,7 +380,8 @@ class _PromptProbe:
 
 
 def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], *, bound: PromptTextBound | None = None,
-                           cancelled: Callable[[], bool] | None = None, **template_options: Any) -> list[int]:
+                           cancelled: Callable[[], bool] | None = None, fingerprint: str | None = None,
+                           **template_options: Any) -> list[int]:
     """The tokens ``llama.create_chat_completion(messages, **template_options)`` would evaluate.
 
     Only renders and tokenizes (thread-safe on a shared model); evaluates nothing.
@@ -361,6 +390,8 @@ def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], *, boun
         bound: a rendered prompt that cannot fit the context by it is not tokenized (:class:`PromptTooLong`).
         cancelled: asked once the template is rendered; when true, nothing is tokenized
             (:class:`RenderingCancelled`).
+        fingerprint: the request's cache namespace, for a :class:`SlotLlama`'s shared tokenizations
+            (None: the context's current one).
 
     Raises:
         ValueError: the chat handler refused the messages or options (an unknown tool, say).
@@ -372,7 +403,7 @@ def prompt_tokens_for_chat(llama: Llama, messages: list[dict[str, Any]], *, boun
         or llama_cpp.llama_chat_format.get_chat_completion_handler(llama.chat_format)
     )
     try:
-        handler(llama=_PromptProbe(llama, bound, cancelled), messages=messages, **template_options)  # type: ignore[arg-type]
+        handler(llama=_PromptProbe(llama, bound, cancelled, fingerprint), messages=messages, **template_options)  # type: ignore[arg-type]
     except _Captured as captured:
         return captured.prompt
     except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as error:

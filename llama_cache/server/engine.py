@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from llama_cache.server.constraints import ConstraintCompiler
 from llama_cache.server.contexts import SlotLlama, TokenizationMemo
 from llama_cache.server.limits import PromptTextBound, RequestLimits
 from llama_cache.server.slots import Slot, SlotPool
+from llama_cache.state.fingerprint import namespaced_fingerprint
 
 __all__ = ["Engine", "load_engine"]
 
@@ -41,7 +43,9 @@ class Engine:
 
     ``constraints`` compiles the structured outputs requests ask for, for the model's vocabulary;
     ``system_fingerprint`` names the model and the build answering (:func:`system_fingerprint`);
-    ``penalty_last_n`` is how many sampled tokens the repetition penalties look back on.
+    ``penalty_last_n`` is how many sampled tokens the repetition penalties look back on;
+    ``model_fingerprint`` is the model's (:attr:`llama_cache.Llama.model_fingerprint`);
+    ``keys_share_cache``: API keys share the cache namespace (``--cache-shared-across-keys``).
     """
 
     pool: SlotPool
@@ -57,7 +61,22 @@ class Engine:
     constraints: ConstraintCompiler
     system_fingerprint: str = ""
     penalty_last_n: int = 64
+    model_fingerprint: str = ""
+    keys_share_cache: bool = False
     closed: bool = False
+
+    def cache_namespace(self, key_digest: bytes | None, cache_salt: str | None) -> str | None:
+        """The prompt cache namespace of a request presenting this API key (its SHA-256 digest; None:
+        no key) and ``cache_salt``: one per key unless keys share the cache, one per salt within it;
+        None when neither applies (the model's own namespace). The same on every instance."""
+        key = None if key_digest is None or self.keys_share_cache else key_digest.hex()
+        if key is None and cache_salt is None:
+            return None
+        return json.dumps([key, cache_salt])
+
+    def namespace_fingerprint(self, namespace: str | None) -> str:
+        """The fingerprint the states of ``namespace`` carry (see :meth:`cache_namespace`)."""
+        return namespaced_fingerprint(self.model_fingerprint, namespace)
 
     def close(self) -> None:
         """Flush the cache's background writes and free every context, once. Call with no job running."""
@@ -123,7 +142,8 @@ def load_engine(config: ServerConfig) -> Engine:
             slot.llama.chat_handler = handler
     text_bound = PromptTextBound.for_model(first, first.n_ctx())
     return Engine(
-        pool=SlotPool(slots, config.max_queue, cached=tiers[0][1].match_length),
+        pool=SlotPool(slots, config.max_queue,
+                      cached=lambda tokens, fingerprint: tiers[0][1].match_length(tokens, namespace=fingerprint)),
         compute=compute,
         cache=cache,
         tiers=tiers,
@@ -136,6 +156,8 @@ def load_engine(config: ServerConfig) -> Engine:
         constraints=constraints,
         system_fingerprint=system_fingerprint(first.model_fingerprint),
         penalty_last_n=first.last_n_tokens_size,
+        model_fingerprint=first.model_fingerprint,
+        keys_share_cache=config.cache_shared_across_keys,
     )
 
 

@@ -97,13 +97,14 @@ class ServerMetrics:
         queue_depth, running, slots: read the pool at scrape time.
         compute: returns (evaluations waiting, tokens evaluated) of the compute thread at scrape time;
             None: not reported.
+        per_key: count prompt tokens per API key id too (``llama_cache_key_prompt_tokens_total``).
 
     Thread-safe (prometheus-client's metrics are).
     """
 
     def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]], queue_depth: Callable[[], int],
                  running: Callable[[], int], slots: Callable[[], int],
-                 compute: Callable[[], tuple[int, int]] | None = None) -> None:
+                 compute: Callable[[], tuple[int, int]] | None = None, per_key: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -121,7 +122,23 @@ class ServerMetrics:
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens",
                                          "Tokens sampled (end-of-generation tokens included)",
                                          registry=self.registry)
+        self._key_prompt_tokens: Counter | None = None
+        self._key_prompt_tokens_cached: Counter | None = None
+        if per_key:
+            self._key_prompt_tokens = Counter(f"{PREFIX}_key_prompt_tokens", "Prompt tokens requested, by API key id",
+                                              ["key"], registry=self.registry)
+            self._key_prompt_tokens_cached = Counter(
+                f"{PREFIX}_key_prompt_tokens_cached", "Prompt tokens not evaluated, by API key id", ["key"],
+                registry=self.registry)
         self.registry.register(_LiveCollector(caches, queue_depth, running, slots, compute))
+
+    def count_key_tokens(self, key: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """Count a request's prompt tokens under its API key's id (never a salt: clients choose those,
+        and each would become a series). Does nothing unless made with ``per_key``."""
+        if self._key_prompt_tokens is None or self._key_prompt_tokens_cached is None:
+            return
+        self._key_prompt_tokens.labels(key).inc(prompt_tokens)
+        self._key_prompt_tokens_cached.labels(key).inc(cached_tokens)
 
     def render(self) -> bytes:
         """The registry in Prometheus's text exposition format."""

@@ -37,6 +37,8 @@ __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Sampling", "Structur
 MAX_STOP_SEQUENCES = 4
 # The OpenAI API's bound on top_logprobs (chat) and logprobs (completions, where it is 5: 20 here too).
 MAX_TOP_LOGPROBS = 20
+# Characters of a ``cache_salt``: a salt names a namespace, it need not be a document.
+MAX_CACHE_SALT = 256
 CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 # OpenAI's rule for a function's name.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -71,7 +73,8 @@ class CompletionRequest:
 
     ``prompt`` is the text, or the token ids the client sent; ``options`` holds the keyword arguments
     for ``create_completion`` other than ``prompt``, ``stream``, ``max_tokens``, ``seed`` and
-    ``logit_bias`` (those two are in ``sampling``).
+    ``logit_bias`` (those two are in ``sampling``); ``echo``: each choice's text starts with the
+    prompt's; ``cache_salt``: the prompt cache namespace the client asked for (None: none).
     """
 
     prompt: str | list[int]
@@ -81,6 +84,8 @@ class CompletionRequest:
     options: dict[str, Any] = field(default_factory=dict)
     sampling: Sampling = field(default_factory=Sampling)
     structured: StructuredOutput | None = None
+    echo: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,8 @@ class ChatRequest:
     and ``logit_bias`` (those two are in ``sampling``);
     ``template_options`` those that also shape the prompt (the tools or functions, and a
     ``tool_choice`` / ``function_call`` of ``"none"`` or ``"auto"``: a named one is in ``structured``,
-    never passed on, so llama-cpp-python builds no grammar for it).
+    never passed on, so llama-cpp-python builds no grammar for it); ``cache_salt``: the prompt cache
+    namespace the client asked for (None: none).
     """
 
     messages: list[dict[str, Any]]
@@ -125,6 +131,7 @@ class ChatRequest:
     template_options: dict[str, Any] = field(default_factory=dict)
     structured: StructuredOutput | None = None
     sampling: Sampling = field(default_factory=Sampling)
+    cache_salt: str | None = None
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -264,8 +271,10 @@ def _logit_bias(value: object, n_vocab: int) -> dict[int, float]:
     if not isinstance(value, dict):
         raise _type_error("logit_bias", "an object mapping token ids to numbers", value)
     checked: dict[int, float] = {}
+    digits = len(str(n_vocab))
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < n_vocab:
+        # Digits counted before int(): Python refuses to convert more than 4,300 of them.
+        if not (key.isascii() and key.isdigit() and len(key) <= digits) or not 0 <= int(key) < n_vocab:
             raise _value_error("logit_bias", f"maps {_short(key)}, which is not a token id of this model "
                                f"(0..{n_vocab - 1})")
         if not _is_number(bias) or not -100 <= bias <= 100:
@@ -308,10 +317,8 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int,
     elif len(prompt) > limits.max_prompt_bytes or len(prompt.encode("utf-8")) > limits.max_prompt_bytes:
         raise context_length_error("prompt", f"{len(prompt.encode('utf-8'))} bytes of text", n_ctx)
     echo = body.get("echo")
-    if echo is not None:
-        if not isinstance(echo, bool):
-            raise _type_error("echo", "a boolean", echo)
-        options["echo"] = echo
+    if echo is not None and not isinstance(echo, bool):
+        raise _type_error("echo", "a boolean", echo)
     suffix = body.get("suffix")
     if suffix is not None and not isinstance(suffix, str):
         raise _type_error("suffix", "a string", suffix)
@@ -330,7 +337,20 @@ def parse_completion_request(body: dict[str, Any], n_ctx: int, n_vocab: int,
     if best_of is not None and best_of != 1 and best_of != sampling.n:
         raise _value_error("best_of", "must be 1 or equal to 'n' (every choice generated is returned)")
     return CompletionRequest(prompt=prompt, stream=stream, max_tokens=max_tokens, model=model, options=options,
-                             sampling=sampling, structured=_grammar(body.get("grammar"), limits))
+                             sampling=sampling, structured=_grammar(body.get("grammar"), limits), echo=bool(echo),
+                             cache_salt=_cache_salt(body))
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """``cache_salt`` (vLLM's field): a non-empty string that keeps this request's prompt cache apart."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise _type_error("cache_salt", "a string", salt)
+    if not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise _value_error("cache_salt", f"must be 1 to {MAX_CACHE_SALT} characters long, got {len(salt)}")
+    return salt
 
 
 def context_length_error(param: str, size: str, n_ctx: int) -> ApiError:
@@ -415,7 +435,8 @@ def parse_chat_request(body: dict[str, Any], n_ctx: int, n_vocab: int, limits: R
                                    "(a response_format, a grammar, or a tool_choice that forces a call)")
             structured = other
     return ChatRequest(messages=messages, stream=stream, max_tokens=max_tokens, model=model, options=options,
-                       template_options=template_options, structured=structured, sampling=sampling)
+                       template_options=template_options, structured=structured, sampling=sampling,
+                       cache_salt=_cache_salt(body))
 
 
 def _grammar(value: object, limits: RequestLimits) -> StructuredOutput | None:

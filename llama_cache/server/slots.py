@@ -20,6 +20,11 @@ turn, or another conversation on the same system prompt right after the first) w
 ahead of the queue, rather than taking another one and evaluating what the unfinished save would have
 given it.
 
+Namespaces: a slot's live tokens belong to the cache namespace of the request that left them (its
+``fingerprint``, see :meth:`llama_cache.Llama.set_cache_namespace`). A request is routed by, and waits
+for, the live tokens of its own namespace's slots only: another tenant's conversation is neither reused
+nor waited for, so routing reveals nothing across namespaces either.
+
 Thread-safety: :class:`SlotPool` is used from the event loop's thread only; each slot's ``Llama`` is
 used by the worker thread running its request only (see :func:`run_job`).
 """
@@ -58,12 +63,14 @@ class Cancelled(Exception):
 
 @dataclass
 class Slot:
-    """One context: its ``Llama``, a copy of its live tokens (updated when it is released) and its use."""
+    """One context: its ``Llama``, a copy of its live tokens and their namespace (updated when it is
+    released), and its use."""
 
     index: int
     llama: SlotLlama
     live: npt.NDArray[np.intc] = field(default_factory=lambda: np.empty(0, dtype=np.intc))
     last_used: int = 0
+    fingerprint: str = ""
 
 
 class SlotPool:
@@ -72,23 +79,28 @@ class SlotPool:
     Args:
         slots: the contexts (at least one).
         max_queue: requests that may wait while every slot is busy; one more is refused.
-        cached: how many leading tokens of a prompt the prompt cache would restore (its fastest tier's
-            ``match_length``: O(K), loads nothing); None: routing does not consult the cache.
+        cached: how many leading tokens of a prompt the prompt cache would restore in a namespace
+            (``(tokens, fingerprint) -> int``: its fastest tier's ``match_length``, O(K), loads nothing);
+            None: routing does not consult the cache.
 
     Used from the event loop's thread only.
     """
 
     def __init__(self, slots: list[Slot], max_queue: int,
-                 cached: Callable[[npt.NDArray[np.intc]], int] | None = None) -> None:
+                 cached: Callable[[npt.NDArray[np.intc], str], int] | None = None) -> None:
         if not slots:
             raise ValueError("a slot pool needs at least one slot")
         if max_queue < 0:
             raise ValueError(f"max_queue must not be negative, got {max_queue}")
         self.slots = slots
         self.max_queue = max_queue
+        self._model_fingerprint = slots[0].llama.fingerprint
         self._cached = cached
         self._free: list[Slot] = list(slots)
-        self._waiters: deque[tuple[npt.NDArray[np.intc], int, asyncio.Future[Slot]]] = deque()
+        for slot in slots:
+            if not slot.fingerprint:
+                slot.fingerprint = slot.llama.fingerprint
+        self._waiters: deque[tuple[npt.NDArray[np.intc], int, str, asyncio.Future[Slot]]] = deque()
         # Busy slots whose request has its whole answer (by index), with the request waiting for each.
         self._finishing: dict[int, asyncio.Future[Slot] | None] = {}
         self._clock = itertools.count(1)
@@ -98,7 +110,7 @@ class SlotPool:
     @property
     def queue_depth(self) -> int:
         """Requests waiting for a slot."""
-        waiting = [future for _, _, future in self._waiters] + [f for f in self._finishing.values() if f is not None]
+        waiting = [future for _, _, _, future in self._waiters] + [f for f in self._finishing.values() if f is not None]
         return sum(1 for future in waiting if not future.done())
 
     @property
@@ -106,8 +118,12 @@ class SlotPool:
         """Slots serving a request."""
         return len(self.slots) - len(self._free)
 
-    async def acquire(self, prompt: list[int], cached: int | None = None) -> Slot:
+    async def acquire(self, prompt: list[int], cached: int | None = None, fingerprint: str | None = None) -> Slot:
         """A slot for a request with this prompt, waiting in FIFO order if none is free.
+
+        ``fingerprint`` is the request's cache namespace (None: the model's own, the first slot's
+        fingerprint when the pool was made): only slots whose live tokens are of that namespace are
+        routed to for them.
 
         ``cached`` is how many leading tokens of the prompt the prompt cache would restore, when the
         caller asked it already (every tier's match, asked off the event loop); None: the pool asks
@@ -122,17 +138,18 @@ class SlotPool:
             QueueFull: every slot is busy and ``max_queue`` requests already wait.
         """
         tokens = np.asarray(prompt, dtype=np.intc)
+        namespace = fingerprint if fingerprint is not None else self._model_fingerprint
         if cached is None:
-            cached = self._cached_length(tokens)
-        finishing = self._finishing_worth_waiting_for(tokens, cached)
+            cached = self._cached_length(tokens, namespace)
+        finishing = self._finishing_worth_waiting_for(tokens, cached, namespace)
         if finishing is not None:
             return await self._wait_for_finishing(finishing)
         if self._free and not self._waiters:
-            return self._take(tokens, cached)
+            return self._take(tokens, cached, namespace)
         if len(self._waiters) >= self.max_queue:
             raise QueueFull()
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
-        entry = (tokens, cached, future)
+        entry = (tokens, cached, namespace, future)
         self._waiters.append(entry)
         try:
             return await future
@@ -160,6 +177,7 @@ class SlotPool:
     def release(self, slot: Slot) -> None:
         """Give a slot back (its request finished) and hand free slots to the oldest waiters."""
         slot.live = live_tokens(slot.llama)
+        slot.fingerprint = slot.llama.fingerprint
         slot.last_used = next(self._clock)
         waiting = self._finishing.pop(slot.index, None)
         if waiting is not None and not waiting.done():
@@ -168,9 +186,9 @@ class SlotPool:
             return
         self._free.append(slot)
         while self._waiters and self._free:
-            tokens, cached, future = self._waiters.popleft()
+            tokens, cached, namespace, future = self._waiters.popleft()
             if not future.done():
-                future.set_result(self._take(tokens, cached))
+                future.set_result(self._take(tokens, cached, namespace))
 
     async def _wait_for_finishing(self, slot: Slot) -> Slot:
         future: asyncio.Future[Slot] = asyncio.get_running_loop().create_future()
@@ -184,25 +202,27 @@ class SlotPool:
                 self._finishing[slot.index] = None
             raise
 
-    def _cached_length(self, tokens: npt.NDArray[np.intc]) -> int:
+    def _cached_length(self, tokens: npt.NDArray[np.intc], fingerprint: str) -> int:
         if self._cached is None:
             return 0
         try:
-            return int(self._cached(tokens))
+            return int(self._cached(tokens, fingerprint))
         except Exception as error:  # noqa: BLE001 - routing only: a failing cache is an empty one
             logger.debug("prompt cache match_length failed: %s: %s", type(error).__name__, error)
             return 0
 
-    def _finishing_worth_waiting_for(self, tokens: npt.NDArray[np.intc], cached: int) -> Slot | None:
-        """The finishing slot nobody waits for whose live tokens the prompt reuses more than anything else's."""
-        free, free_reused = _most_reused(self._free, tokens, cached)
+    def _finishing_worth_waiting_for(self, tokens: npt.NDArray[np.intc], cached: int, fingerprint: str
+                                     ) -> Slot | None:
+        """The finishing slot of the namespace nobody waits for whose live tokens the prompt reuses more
+        than anything else's."""
+        free, free_reused = _most_reused(self._free, tokens, cached, fingerprint)
         floor = max(cached, free_reused if free is not None else 0)
         candidates = [slot for slot in self.slots if self._finishing.get(slot.index, False) is None]
-        best, reused = _most_reused(candidates, tokens, floor)
+        best, reused = _most_reused(candidates, tokens, floor, fingerprint)
         return best if best is not None and reused > floor else None
 
-    def _take(self, tokens: npt.NDArray[np.intc], cached: int) -> Slot:
-        best, _ = _most_reused(self._free, tokens, cached)
+    def _take(self, tokens: npt.NDArray[np.intc], cached: int, fingerprint: str) -> Slot:
+        best, _ = _most_reused(self._free, tokens, cached, fingerprint)
         if best is not None:
             self.routed_to_live += 1
         else:
@@ -212,8 +232,10 @@ class SlotPool:
         return best
 
 
-def _most_reused(slots: list[Slot], tokens: npt.NDArray[np.intc], cached: int) -> tuple[Slot | None, int]:
-    """The slot whose live tokens ``tokens`` reuse most, if worth more than ``cached`` tokens from the cache.
+def _most_reused(slots: list[Slot], tokens: npt.NDArray[np.intc], cached: int, fingerprint: str
+                 ) -> tuple[Slot | None, int]:
+    """The slot of namespace ``fingerprint`` whose live tokens ``tokens`` reuse most, if worth more than
+    ``cached`` tokens from the cache.
 
     Worth it: all of the slot's live tokens, at least ``cached`` of them (nothing to restore, nothing
     lost); or a shared head of at least :data:`MIN_SHARED_TOKENS`, more than ``cached``. Between equal
@@ -223,7 +245,7 @@ def _most_reused(slots: list[Slot], tokens: npt.NDArray[np.intc], cached: int) -
     best_key = (0, False)
     for slot in slots:
         n = len(slot.live)
-        if n == 0:
+        if n == 0 or slot.fingerprint != fingerprint:
             continue
         reused = common_prefix(slot.live, tokens)
         extends = reused == n
@@ -251,6 +273,7 @@ class Job:
     run: ChoiceRun | None = None
     completed: bool = False
     answered: bool = False
+    key: str | None = None  # the API key's id in the metrics, when keys are configured
 
     @property
     def sampled(self) -> int:
