@@ -658,3 +658,31 @@ def test_bad_grammars_are_refused_naming_the_rule_line_and_why(server: LiveServe
         assert (error["param"], error["code"]) == ("grammar", "invalid_schema")
         assert error["message"].startswith("'grammar': ")
         assert [word for word in words if word not in error["message"]] == [], error["message"]
+
+
+def test_a_refused_tool_schema_names_the_function_s_parameters(server: LiveServer) -> None:
+    good, bad = _tool("weather", WEATHER), _tool("broken", {"type": "object", "properties": {"x": {"not": {}}}})
+    for choice, expected in ((_named("broken"), "tools[1].function.parameters"),
+                             ("required", "tools[1].function.parameters")):
+        error = _refusal(server, {"messages": _MESSAGES, "tools": [good, bad], "tool_choice": choice})
+        assert (error["param"], error["code"]) == ("tools", "invalid_schema")
+        assert error["message"] == f"'{expected}': the schema at '#/properties/x' uses \"not\", which structured " \
+                                   "outputs do not support"
+    looping = _tool("looping", {"$ref": "#"})
+    error = _refusal(server, {"messages": _MESSAGES, "tools": [looping], "tool_choice": "required"})
+    assert error["message"] == ("'tools[0].function.parameters': the schema at '#' refers to itself with no way to "
+                                'end ("$ref": "#" at the root)')
+
+
+def test_tool_choice_required_resolves_each_function_s_references_in_its_own_parameters(client: openai.OpenAI) -> None:
+    # As Pydantic writes a model with a nested one: "#/$defs/..." is the parameters' own, not the
+    # schema choosing between the functions.
+    nested = {"$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                                  "required": ["city"]}},
+              "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"]}
+    reply = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather in Rome?"}], max_tokens=48, temperature=0,
+        tools=[_tool("weather", nested)], tool_choice="required")
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "weather"
+    assert isinstance(json.loads(call.function.arguments)["place"]["city"], str)
