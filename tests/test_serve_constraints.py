@@ -25,7 +25,8 @@ import pytest
 
 from llama_cache import Llama, LlamaRAMCache, default_model_path
 from llama_cache.server import ServerConfig
-from llama_cache.server.constraints import ConstraintCompiler, ConstraintError, ConstraintLimits, SequenceConstraint
+from llama_cache.server.constraints import (ConstraintCompiler, ConstraintError, ConstraintLimits, SchemaPart,
+                                             SequenceConstraint)
 from llama_cache.server.responses import structured_chunks, structured_completion
 from tests.live_server import LiveServer
 
@@ -229,6 +230,32 @@ def test_invalid_or_unsupported_schemas_are_refused_naming_the_problem(
         compiler.compile(schema)
     assert raised.value.code == code and words in str(raised.value)
     assert isinstance(raised.value, ValueError)
+
+
+def test_the_compiler_takes_boolean_schemas_and_refuses_what_is_no_schema(compiler: ConstraintCompiler) -> None:
+    assert compiler.compile(True).prepare()  # true: any JSON value
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    for schema, message in ((False, "the schema is false: no value follows it"),
+                            ([1], "the schema must be an object or a boolean, not an array"),
+                            ({"type": "number", "maximum": float("inf")}, "the schema holds a number that is not finite"),
+                            (deep, "the schema nests too deeply to be read")):
+        with pytest.raises(ConstraintError) as raised:
+            compiler.compile(schema)  # type: ignore[arg-type]
+        assert str(raised.value).startswith(message) and raised.value.code == "invalid_schema"
+
+
+def test_a_refusal_inside_a_part_is_told_relative_to_it(compiler: ConstraintCompiler) -> None:
+    schema = {"type": "object", "properties": {"inner": {"type": "object", "properties": {"a": {"not": {}}}}},
+              "required": ["inner"]}
+    with pytest.raises(ConstraintError) as raised:
+        compiler.compile(schema, [SchemaPart(("properties", "inner"), "the.inner.field")])
+    assert raised.value.field == "the.inner.field"
+    assert str(raised.value) == "the schema at '#/properties/a' uses \"not\", which structured outputs do not support"
+    with pytest.raises(ConstraintError) as raised:
+        compiler.compile(schema)
+    assert raised.value.field is None and str(raised.value).startswith("the schema at '#/properties/inner/properties/a'")
 
 
 def test_schemas_past_the_limits_are_refused_as_too_complex(llama: Llama) -> None:
@@ -535,3 +562,127 @@ def test_unconstrained_greedy_answers_are_unchanged(client: openai.OpenAI) -> No
         assert reply.choices[0].message.content == with_tools["choices"][0]["message"]["content"]
         client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0,
                                        response_format={"type": "json_object"})
+
+
+# ------------------------------------------------------------------------- refusals: where and why
+
+# Each refusal's message names the subschema (a JSON pointer) or the rule and line, and the reason.
+_NOT_SHOWN = ("NoExtensionBias", "<non-verbose/>", "</", "/>", "Exception(", "Error(", "Traceback", "json-schema:///",
+              "SearchRegex", "start:")
+_SCHEMA_FIELD = "response_format.json_schema.schema"
+_BAD_SCHEMAS: list[tuple[str, dict[str, Any], list[str]]] = [
+    ("self-reference-required", {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+     ["the schema at '#'", "refers to itself with no way to end", 'the required property "a" at the root',
+      "\"$ref\": \"#\" at '#/properties/a'"]),
+    ("definitions-loop", {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     ["the schema at '#/$defs/a'", "refers to itself with no way to end", "\"$ref\": \"#/$defs/a\" at '#/$defs/b'"]),
+    ("any-of-self", {"anyOf": [{"$ref": "#"}]}, ["the schema at '#'", "refers to itself", '"anyOf"']),
+    ("dangling-ref", {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+     ["the schema at '#/properties/a'", '"#/$defs/missing"', "not in the schema"]),
+    ("remote-ref", {"type": "object", "properties": {"a": {"$ref": "https://example.com/a.json"}}},
+     ["the schema at '#/properties/a'", "another document"]),
+    ("unknown-type", {"type": "object", "properties": {"a": {"type": "wat"}}},
+     ["the schema at '#/properties/a'", '"type": "wat"', "not a JSON Schema type"]),
+    ("unsupported-keyword", {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+     ["the schema at '#/properties/a'", 'uses "not"', "do not support"]),
+    ("unknown-format", {"type": "object", "properties": {"day": {"type": "string", "format": "zzz"}}},
+     ["the schema at '#/properties/day'", '"format": "zzz"']),
+    ("invalid-pattern", {"type": "object", "properties": {"code": {"type": "string", "pattern": "(a"}}},
+     ["the schema at '#/properties/code'", '"pattern" "(a"', "unclosed group"]),
+    ("look-around", {"type": "object", "properties": {"a": {"type": "string", "pattern": "^(?=x)x$"}}},
+     ["the schema at '#/properties/a'", "look-around", "at character 2"]),
+    ("minimum-above-maximum", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+                               "required": ["n"]},
+     ["the schema at '#'", 'requires the property "n"', "'#/properties/n'", "minimum (5) is greater than maximum (1)"]),
+    ("lengths", {"type": "string", "minLength": 5, "maxLength": 1},
+     ["the schema at '#'", "minLength (5) is greater than maxLength (1)"]),
+    ("types-in-conflict", {"allOf": [{"type": "string"}, {"type": "integer"}]},
+     ["the schema at '#'", '"allOf" item 0 ("type": "string")', "no type in common"]),
+    ("required-unlisted", {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]},
+     ["the schema at '#'", 'requires the property "b"', '"properties" do not list', '"additionalProperties"']),
+    ("empty-enum", {"enum": []}, ["the schema at '#'", '"enum" is empty']),
+    ("items-not-a-schema", {"type": "object", "properties": {"a": {"type": "array", "items": 5}}},
+     ["the schema at '#/properties/a/items'", "is not a schema"]),
+    ("minimum-not-a-number", {"type": "integer", "minimum": "a"}, ["the schema at '#'", '"minimum": "a"', "a number"]),
+]
+
+
+def _refusal(server: LiveServer, body: dict[str, Any], path: str = "/v1/chat/completions") -> dict[str, Any]:
+    response = httpx.post(server.url + path, json={"max_tokens": 4, **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert not [shown for shown in _NOT_SHOWN if shown in error["message"]], error["message"]
+    return error
+
+
+def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"messages": _MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+
+
+def test_a_schema_referring_to_itself_is_refused_naming_where_and_why(server: LiveServer) -> None:
+    error = _refusal(server, _json_schema({"$ref": "#"}))
+    assert (error["param"], error["code"]) == (_SCHEMA_FIELD, "invalid_schema")
+    assert error["message"] == (f"'{_SCHEMA_FIELD}': the schema at '#' refers to itself with no way to end "
+                                '("$ref": "#" at the root)')
+
+
+@pytest.mark.parametrize(("schema", "words"), [case[1:] for case in _BAD_SCHEMAS], ids=[case[0] for case in _BAD_SCHEMAS])
+def test_bad_schemas_are_refused_naming_where_and_why(server: LiveServer, schema: dict[str, Any], words: list[str]) -> None:
+    error = _refusal(server, _json_schema(schema))
+    assert (error["param"], error["code"]) == (_SCHEMA_FIELD, "invalid_schema")
+    assert error["message"].startswith(f"'{_SCHEMA_FIELD}': the schema")
+    assert [word for word in words if word not in error["message"]] == [], error["message"]
+
+
+_BAD_GRAMMARS: list[tuple[str, str, list[str]]] = [
+    ("unclosed-group", "root ::= (", ["line 1, column 11", "rule 'root'", "expected ')'"]),
+    ("unclosed-string", 'root ::= "yes" | "no', ["line 1, column 21", "rule 'root'", "closing '\"'"]),
+    ("bad-escape", 'root ::= "\\q"', ["line 1, column 12", "invalid escape sequence \\q"]),
+    ("undefined-rule", 'root ::= answer\nanswer ::= "yes" | maybe', ["rule 'answer' (line 2)", '"maybe"', "no rule defines"]),
+    ("empty", "", ["the grammar is empty", "'root'"]),
+    ("no-root", 'answer ::= "yes"', ["no rule 'root'", "'answer'"]),
+    ("endless", 'root ::= "a" root', ["rule 'root' (line 1)", "refers to itself with no way to end"]),
+    ("endless-below-root", 'root ::= "(" x ")"\nx ::= "x" x', ["rule 'x' (line 2)", "refers to itself", "'root' needs it"]),
+    ("self-only", "root ::= root", ["rule 'root' (line 1)", "refers to itself with no way to end"]),
+    ("inverted-repetition", 'root ::= "a"{3,1}', ["rule 'root' (line 1)", "{3,1}", "maximum below its minimum"]),
+    ("inverted-class", 'root ::= digit\ndigit ::= [9-0]', ["rule 'digit' (line 2)", "[9-0]", "not valid"]),
+    ("names-clash", 'root ::= a-b a_b\na-b ::= "x"\na_b ::= "y"', ["rule 'a-b' (line 2)", "rule 'a_b' (line 3)", "rename"]),
+]
+
+
+@pytest.mark.parametrize(("grammar", "words"), [case[1:] for case in _BAD_GRAMMARS], ids=[case[0] for case in _BAD_GRAMMARS])
+def test_bad_grammars_are_refused_naming_the_rule_line_and_why(server: LiveServer, grammar: str, words: list[str]) -> None:
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": _MESSAGES})):
+        error = _refusal(server, {**body, "grammar": grammar}, path)
+        assert (error["param"], error["code"]) == ("grammar", "invalid_schema")
+        assert error["message"].startswith("'grammar': ")
+        assert [word for word in words if word not in error["message"]] == [], error["message"]
+
+
+def test_a_refused_tool_schema_names_the_function_s_parameters(server: LiveServer) -> None:
+    good, bad = _tool("weather", WEATHER), _tool("broken", {"type": "object", "properties": {"x": {"not": {}}}})
+    for choice, expected in ((_named("broken"), "tools[1].function.parameters"),
+                             ("required", "tools[1].function.parameters")):
+        error = _refusal(server, {"messages": _MESSAGES, "tools": [good, bad], "tool_choice": choice})
+        assert (error["param"], error["code"]) == ("tools", "invalid_schema")
+        assert error["message"] == f"'{expected}': the schema at '#/properties/x' uses \"not\", which structured " \
+                                   "outputs do not support"
+    looping = _tool("looping", {"$ref": "#"})
+    error = _refusal(server, {"messages": _MESSAGES, "tools": [looping], "tool_choice": "required"})
+    assert error["message"] == ("'tools[0].function.parameters': the schema at '#' refers to itself with no way to "
+                                'end ("$ref": "#" at the root)')
+
+
+def test_tool_choice_required_resolves_each_function_s_references_in_its_own_parameters(client: openai.OpenAI) -> None:
+    # As Pydantic writes a model with a nested one: "#/$defs/..." is the parameters' own, not the
+    # schema choosing between the functions.
+    nested = {"$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                                  "required": ["city"]}},
+              "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"]}
+    reply = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather in Rome?"}], max_tokens=48, temperature=0,
+        tools=[_tool("weather", nested)], tool_choice="required")
+    call = reply.choices[0].message.tool_calls[0]
+    assert call.function.name == "weather"
+    assert isinstance(json.loads(call.function.arguments)["place"]["city"], str)

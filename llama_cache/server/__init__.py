@@ -10,6 +10,8 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.protocol`: request validation.
 - :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
 - :mod:`.constraints`: structured outputs (JSON schemas compiled on llguidance, enforced per sequence).
+- :mod:`.refusals`, :mod:`.schema_nodes`, :mod:`.schema_refusals`, :mod:`.schema_ending`,
+  :mod:`.grammar_refusals`, :mod:`.ending`: why a schema or grammar is refused, and where in it.
 - :mod:`.responses`: structured answers in OpenAI's shapes (a named function's call as ``tool_calls``).
 - :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
 - :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.

@@ -307,15 +307,17 @@ class _Server:
         before queueing.
 
         Raises:
-            ApiError: 400 naming the field whose schema is refused.
+            ApiError: 400 naming the field whose schema is refused (``param``: the request's field; the
+                message names the function's parameters when the refusal lies in one).
         """
         compiler = self.engine.constraints
         try:
             if structured.gbnf is not None:
                 return [compiler.compile_gbnf(structured.gbnf) for _ in range(n)]
-            return [compiler.compile(structured.schema) for _ in range(n)]
+            return [compiler.compile(structured.schema, structured.parts) for _ in range(n)]
         except ConstraintError as error:
-            raise ApiError(400, f"'{structured.param}': {error}", param=structured.param, code=error.code) from None
+            raise ApiError(400, f"'{error.field or structured.param}': {error}", param=structured.param,
+                           code=error.code) from None
 
     def _run(self, parsed: CompletionRequest | ChatRequest, tokens: list[int], job: Job,
              constraints: list[SequenceConstraint] | None = None, namespace: str | None = None

@@ -15,7 +15,9 @@ between JSON tokens is bounded to 20 characters per gap, for the same reason.
 - :class:`ConstraintCompiler`: one per model (its vocabulary, read once). :meth:`~ConstraintCompiler.compile`
   turns a schema into a :class:`SequenceConstraint`, or refuses it with a :class:`ConstraintError`
   naming the problem, before the request is queued: the grammar is built and its first token mask
-  computed then, so a schema too costly to start is refused, not discovered while generating.
+  computed then, so a schema too costly to start is refused, not discovered while generating; so is
+  one with no finite instance (:mod:`.schema_ending`). A refusal names the subschema at fault by its
+  JSON pointer, or the GBNF rule and line, and says why (:mod:`.schema_refusals`, :mod:`.grammar_refusals`).
 - :class:`SequenceConstraint`: the state of one generated sequence. It consumes the tokens sampled
   since its previous call and masks the logits of every token the grammar does not allow (once the
   grammar is complete, only end-of-generation tokens remain). It owns nothing of the context that
@@ -31,19 +33,25 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import llama_cpp
 import llguidance
-from llguidance.gbnf_to_lark import gbnf_to_lark
 import llguidance.llamacpp
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ConstraintCompiler", "ConstraintError", "ConstraintLimits", "SequenceConstraint"]
+from llama_cache.server import schema_refusals
+from llama_cache.server.grammar_refusals import GbnfGrammar
+from llama_cache.server.refusals import ConstraintError, SchemaPart, clean, is_limit
+from llama_cache.server.schema_ending import unending
+from llama_cache.server.schema_nodes import Pointer, SchemaIndex, pointer_text
+
+__all__ = ["ConstraintCompiler", "ConstraintError", "ConstraintLimits", "SchemaPart", "SequenceConstraint"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +59,6 @@ _NEG_INF = np.float32(-np.inf)
 # Whitespace between JSON tokens: enough for pretty-printed JSON (a newline and 20 levels of indentation
 # at one space, 10 at two), not for a model to pad forever, which unbounded whitespace would let it do.
 _JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
-
-
-class ConstraintError(ValueError):
-    """A schema the engine refuses, and why.
-
-    ``code`` is ``invalid_schema`` for a schema that is not valid JSON Schema or uses a feature
-    llguidance does not implement, ``schema_too_complex`` for one past :class:`ConstraintLimits`.
-    """
-
-    def __init__(self, message: str, code: str = "invalid_schema") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)
@@ -137,47 +133,141 @@ class ConstraintCompiler:
         vocab = llama_cpp.llama_model_get_vocab(llama.model)
         return cls(vocab, llama.n_vocab(), limits)
 
-    def compile(self, schema: Mapping[str, Any]) -> SequenceConstraint:
+    def compile(self, schema: Mapping[str, Any] | bool, parts: Sequence[SchemaPart] = ()) -> SequenceConstraint:
         """A fresh constraint making one sequence's generated text a JSON value following ``schema``.
 
-        The grammar is built and checked against the limits, and the first token mask computed (the
-        first step's cost is then known, and paid here rather than by the first sampled token). Runs in
-        the calling thread, mostly without the GIL; bounded by :attr:`limits`.
+        The grammar is built and checked against the limits, the schema checked to have a finite
+        instance (one that refers to itself with no way to end has none), and the first token mask
+        computed (the first step's cost is then known, and paid here rather than by the first sampled
+        token). Runs in the calling thread, mostly without the GIL; bounded by :attr:`limits` and, for
+        the checks and a refusal's message, linear in the schema's size.
+
+        Args:
+            schema: a JSON schema (an object, or ``true``/``false``).
+            parts: subschemas that came from fields of their own (see :class:`SchemaPart`).
 
         Raises:
-            ConstraintError: the schema is invalid, unsupported, or past a limit (the message says which).
+            ConstraintError: the schema is invalid, unsupported, has no finite instance, or is past a
+                limit; the message names the subschema at fault (its JSON pointer) and why.
         """
+        if schema is True:
+            schema = {}
+        elif schema is False:
+            raise ConstraintError("the schema is false: no value follows it")
+        elif not isinstance(schema, Mapping):
+            raise ConstraintError(f"the schema must be an object or a boolean, not {_json_kind(schema)}")
         try:
-            text = json.dumps(_closed_objects(schema))
+            text = json.dumps(_closed_objects(schema), allow_nan=False)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
-        except (TypeError, ValueError, RecursionError) as error:
-            raise ConstraintError(f"the schema could not be read: {error}") from None
-        return self._constraint(grammar)
+        except RecursionError:
+            raise ConstraintError("the schema nests too deeply to be read") from None
+        except (TypeError, ValueError) as error:
+            raise ConstraintError(_unreadable(error)) from None
+        matcher = self._matcher(grammar)
+        index = SchemaIndex.of(schema)
+        if not matcher.is_error():
+            endless = _located(schema, parts, index, unending)
+            if endless is not None:
+                raise endless
+            constraint = self._constraint(matcher)
+            if constraint.prepare():
+                return constraint
+        raw = matcher.get_error()
+        if is_limit(raw):
+            raise ConstraintError(f"the schema is too complex to enforce: {clean(raw)}", "schema_too_complex",
+                                  field=next((part.field for part in parts if not part.pointer), None))
+        refusal = _located(schema, parts, index, lambda where: schema_refusals.describe(where, raw))
+        raise refusal or ConstraintError(f"the schema cannot be enforced: {clean(raw)}")
 
     def compile_gbnf(self, gbnf: str) -> SequenceConstraint:
         """A fresh constraint making one sequence's generated text follow a GBNF grammar (llama.cpp's format,
         whose rule ``root`` is the start), as llama-cpp-python's ``grammar`` field takes it.
 
-        The grammar is converted to llguidance's Lark format, then compiled as :meth:`compile` does.
-        The conversion's cost grows with the text's length and the square of its rules (400 rules
-        take 0.6 s): the caller bounds both (:attr:`.RequestLimits.max_grammar_bytes`, ``max_grammar_rules``).
+        The grammar is converted to llguidance's Lark format (:class:`.GbnfGrammar`), checked to match
+        some finite text, then compiled as :meth:`compile` does. The conversion's cost grows with the
+        text's length and the square of its rules (400 rules take 0.6 s): the caller bounds both
+        (:attr:`.RequestLimits.max_grammar_bytes`, ``max_grammar_rules``).
 
         Raises:
-            ConstraintError: the grammar is invalid, unsupported, or past a limit.
+            ConstraintError: the grammar is invalid, unsupported, matches no finite text, or is past a
+                limit; the message names the rule and line at fault and why.
         """
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(gbnf))
-        except Exception as error:  # noqa: BLE001 - the converter raises plain Exception (and RecursionError)
-            raise ConstraintError(f"the grammar could not be read: {error}") from None
-        return self._constraint(grammar)
-
-    def _constraint(self, grammar: str) -> SequenceConstraint:
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
+        grammar = GbnfGrammar.convert(gbnf)
+        matcher = self._matcher(llguidance.LLMatcher.grammar_from_lark(grammar.lark))
         if not matcher.is_error():
-            constraint = SequenceConstraint(matcher, self._tokenizer.vocab_size, self.n_vocab, self.end_tokens)
+            reason = grammar.unending()
+            if reason is not None:
+                raise ConstraintError(reason)
+            constraint = self._constraint(matcher)
             if constraint.prepare():
                 return constraint
-        raise _refusal(matcher.get_error())
+        raw = matcher.get_error()
+        if is_limit(raw):
+            raise ConstraintError(f"the grammar is too complex to enforce: {clean(raw)}", "schema_too_complex")
+        raise ConstraintError(grammar.describe(raw))
+
+    def _matcher(self, grammar: str) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
+
+    def _constraint(self, matcher: llguidance.LLMatcher) -> SequenceConstraint:
+        return SequenceConstraint(matcher, self._tokenizer.vocab_size, self.n_vocab, self.end_tokens)
+
+
+Located = tuple[Pointer | None, str]
+
+
+def _located(schema: Mapping[str, Any], parts: Sequence[SchemaPart], index: SchemaIndex,
+             locate: Callable[[SchemaIndex], Located | None]) -> ConstraintError | None:
+    """The refusal ``locate`` finds in ``schema`` (``index``), told relative to the part it lies in (``locate``
+    runs again on that part alone, for a reason whose pointers are the part's own); None if it finds none."""
+    found = locate(index)
+    if found is None:
+        return None
+    pointer, reason = found
+    part = max((part for part in parts if pointer is not None and pointer[: len(part.pointer)] == part.pointer),
+               key=lambda part: len(part.pointer), default=None)
+    if part is not None and pointer is not None:
+        pointer = pointer[len(part.pointer):]
+        if part.pointer:
+            inner = _at(schema, part.pointer)
+            retold = locate(SchemaIndex.of(inner)) if isinstance(inner, dict) else None
+            if retold is not None and retold[0] is not None:
+                pointer, reason = retold
+    subject = "the schema" if pointer is None else f"the schema at '{pointer_text(pointer)}'"
+    return ConstraintError(f"{subject} {reason}", field=part.field if part is not None else None)
+
+
+def _at(schema: Any, pointer: Pointer) -> Any:
+    for token in pointer:
+        if isinstance(schema, dict):
+            schema = schema.get(token)
+        elif isinstance(schema, list) and token.isdigit() and int(token) < len(schema):
+            schema = schema[int(token)]
+        else:
+            return None
+    return schema
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if value is None:
+        return "null"
+    return "a number" if isinstance(value, (int, float)) else f"a {type(value).__name__}"
+
+
+def _unreadable(error: TypeError | ValueError) -> str:
+    """Why the schema could not be read as JSON (json.dumps, or llguidance's reader)."""
+    text = str(error)
+    if "recursion limit exceeded" in text:
+        return "the schema nests too deeply to be read (llguidance reads at most 128 levels of objects and arrays)"
+    if "Out of range float values" in text:
+        return "the schema holds a number that is not finite (NaN or infinity), which JSON cannot carry"
+    if found := re.search(r"Object of type (\w+) is not JSON serializable", text):
+        return f"the schema holds a value that is not JSON (a {found.group(1)})"
+    return f"the schema could not be read: {clean(text)}"
 
 
 # Keywords whose values are data, not schemas: left as they are.
@@ -204,13 +294,6 @@ def _closed_objects(schema: Any) -> Any:
             and "patternProperties" not in schema):
         closed["additionalProperties"] = False
     return closed
-
-
-def _refusal(message: str) -> ConstraintError:
-    lowered = message.lower()
-    too_complex = any(word in lowered for word in ("limit", "too many", "too big", "too large", "too complex", "fuel"))
-    return ConstraintError(f"the schema cannot be enforced: {message}",
-                           "schema_too_complex" if too_complex else "invalid_schema")
 
 
 class SequenceConstraint:

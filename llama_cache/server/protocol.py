@@ -29,6 +29,7 @@ from typing import Any
 
 from llama_cache.server.errors import ApiError
 from llama_cache.server.limits import RequestLimits, check_schema, limit_error
+from llama_cache.server.refusals import SchemaPart
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Sampling", "StructuredOutput", "parse_chat_request",
            "parse_completion_request", "parse_json_body"]
@@ -99,6 +100,8 @@ class StructuredOutput:
     ``anyOf``), which the answer turns into that call; ``legacy`` is true when it was asked for through
     ``functions`` / ``function_call`` (the answer is then a ``function_call``, not ``tool_calls``);
     ``param`` is the request field the schema came from, which an error about the schema names;
+    ``parts`` the subschemas that came from fields of their own (a function's parameters: a refusal
+    inside one names that field, such as ``tools[1].function.parameters``);
     ``gbnf`` is a GBNF grammar (llama-cpp-python's ``grammar`` field) the text follows instead of a schema.
     """
 
@@ -108,6 +111,7 @@ class StructuredOutput:
     legacy: bool = False
     any_function: bool = False
     gbnf: str | None = None
+    parts: tuple[SchemaPart, ...] = ()
 
 
 @dataclass
@@ -518,7 +522,8 @@ def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any],
     if choice == "required" and not legacy:
         if not schemas:
             raise _value_error(choice_param, "is \"required\" but 'tools' declares no function")
-        return options, StructuredOutput(schema=_any_call(schemas), param=list_param, any_function=True)
+        schema, parts = _any_call(schemas, list_param)
+        return options, StructuredOutput(schema=schema, param=list_param, any_function=True, parts=parts)
     if choice in ("none", "auto"):
         if schemas:
             options[choice_param] = choice
@@ -534,15 +539,35 @@ def _tools(body: dict[str, Any], limits: RequestLimits) -> tuple[dict[str, Any],
         raise _value_error(choice_param, f"must be {shape}, got {_short(choice)}")
     if name not in schemas:
         raise _value_error(choice_param, f"names the function {_short(name)}, which '{list_param}' does not declare")
-    return options, StructuredOutput(schema=schemas[name], param=list_param, function=name, legacy=legacy)
+    part = SchemaPart((), _parameters_field(list_param, list(schemas).index(name), legacy))
+    return options, StructuredOutput(schema=schemas[name], param=list_param, function=name, legacy=legacy,
+                                     parts=(part,))
 
 
-def _any_call(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The schema of ``{"name": ..., "arguments": ...}`` calling one of the functions (name first)."""
-    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+def _parameters_field(list_param: str, index: int, legacy: bool) -> str:
+    """The request field of the ``index``-th function's parameters: ``tools[1].function.parameters``."""
+    return f"{list_param}[{index}].parameters" if legacy else f"{list_param}[{index}].function.parameters"
+
+
+def _any_call(schemas: dict[str, dict[str, Any]], list_param: str) -> tuple[dict[str, Any], tuple[SchemaPart, ...]]:
+    """The schema of ``{"name": ..., "arguments": ...}`` calling one of the functions (name first), and
+    where each function's parameters lie in it.
+
+    Each function's parameters get a ``$id`` of their own (unless they have one) so that their local
+    references (``"#/$defs/..."``, ``"#"``) resolve inside them, as they would alone, not from this
+    schema's root.
+    """
+    calls = [{"type": "object",
+              "properties": {"name": {"const": name},
+                             "arguments": schema if "$id" in schema else {"$id": f"urn:llama-cache:function:{name}",
+                                                                          **schema}},
               "required": ["name", "arguments"], "additionalProperties": False}
              for name, schema in schemas.items()]
-    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+    prefixes = [("properties", "arguments")] if len(calls) == 1 else \
+        [("anyOf", str(index), "properties", "arguments") for index in range(len(calls))]
+    parts = tuple(SchemaPart(prefix, _parameters_field(list_param, index, False))
+                  for index, prefix in enumerate(prefixes))
+    return (calls[0] if len(calls) == 1 else {"anyOf": calls}), parts
 
 
 def _function_schemas(param: str, declared: object, legacy: bool,
