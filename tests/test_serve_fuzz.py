@@ -1,7 +1,7 @@
 """A seeded fuzz loop against a live ``llama-cache serve``: valid and hostile bodies, schemas, disconnects.
 
 Hypothesis draws request bodies (derandomized: the same sequence every run): well-formed requests with
-random fields, random JSON values in every field, random JSON schemas in tools, huge and malformed
+random fields (``echo``, ``cache_salt``, tokenize and detokenize among them), random JSON values in every field, random JSON schemas in tools, huge and malformed
 values, raw bytes that are not JSON, and clients that leave before their answer. Whatever it sends:
 
 - no answer is a 5xx other than 503 (and no 503 while the server is not shutting down or full);
@@ -37,6 +37,8 @@ RSS_BOUND = 3 << 30
 
 _CHAT = "/v1/chat/completions"
 _COMPLETIONS = "/v1/completions"
+_TOKENIZE = "/tokenize"
+_DETOKENIZE = "/detokenize"
 _FIXED = {"prompt": "The first three planets are", "max_tokens": 8, "temperature": 0}
 
 
@@ -86,6 +88,7 @@ _valid_sampling = st.fixed_dictionaries({"max_tokens": st.integers(1, 4)}, optio
     "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
     "stream": st.booleans(), "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "n": st.integers(1, 3), "grammar": st.sampled_from(['root ::= "a" | "b"', 'root ::= [0-9]+ "."']),
+    "cache_salt": st.text(min_size=1, max_size=20),
 })
 _any_sampling = st.fixed_dictionaries({}, optional={
     "temperature": st.one_of(st.floats(-1, 3, allow_nan=False), _json_leaf),
@@ -93,7 +96,8 @@ _any_sampling = st.fixed_dictionaries({}, optional={
     "seed": st.integers(-(1 << 64), 1 << 64), "max_tokens": st.one_of(st.integers(-2, 6), st.none(), _json_leaf),
     "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=6), _json_leaf),
     "logit_bias": st.one_of(st.dictionaries(st.integers(-10, 60_000).map(str), st.floats(-200, 200), max_size=3),
-                            _json),
+                            st.just({"1" * 5000: 1}), st.just({"0" * 40 + "7": 1}), _json),
+    "cache_salt": st.one_of(st.text(max_size=300), _json_leaf),
     "stream": st.one_of(st.booleans(), _json_leaf),
     "n": st.integers(0, 3), "presence_penalty": st.floats(-3, 3), "frequency_penalty": st.floats(-3, 3),
     "model": st.one_of(st.text(max_size=10), _json_leaf),
@@ -130,17 +134,30 @@ def _completion_body(draw: st.DrawFn, valid: bool) -> dict[str, Any]:
                                                                                max_size=20))
                           if valid else st.one_of(st.text(max_size=300), st.lists(st.integers(-5, 60_000), max_size=20),
                                                   _json))
-    if not valid:
-        body["echo"] = draw(st.one_of(st.none(), st.booleans()))
+    body["echo"] = draw(st.one_of(st.none(), st.booleans()))
     return body
+
+
+def _utility_body(draw: st.DrawFn, path: str) -> Any:
+    if path == _TOKENIZE:
+        return draw(st.one_of(
+            st.fixed_dictionaries({"content": st.one_of(st.text(max_size=300), st.just("-" * 200 + " " * 200))},
+                                  optional={"with_pieces": st.booleans(), "add_special": st.booleans()}),
+            st.just({"content": "<|im_end|>" * 5000}), _json))
+    return draw(st.one_of(
+        st.fixed_dictionaries({"tokens": st.lists(st.integers(0, 49151), max_size=50)}),
+        st.just({"tokens": [1] * 500_000}), st.just({"tokens": [True, 2]}),
+        st.fixed_dictionaries({"tokens": st.lists(st.integers(-(1 << 70), 1 << 70), max_size=5)}), _json))
 
 
 @st.composite
 def _requests(draw: st.DrawFn) -> tuple[str, bytes, bool]:
     """(path, body bytes, whether the client leaves at once)."""
-    path = draw(st.sampled_from([_CHAT, _COMPLETIONS]))
+    path = draw(st.sampled_from([_CHAT, _COMPLETIONS, _CHAT, _COMPLETIONS, _TOKENIZE, _DETOKENIZE]))
     kind = draw(st.sampled_from(["valid", "valid", "hostile", "hostile", "bytes", "json"]))
-    if kind == "bytes":
+    if path in (_TOKENIZE, _DETOKENIZE) and kind in ("valid", "hostile"):
+        raw = json.dumps(_utility_body(draw, path)).encode()
+    elif kind == "bytes":
         raw = draw(st.one_of(st.binary(max_size=200), st.just(b'{"prompt": ' + b"[" * 5000),
                              st.just(b'{"prompt": 1' + b"0" * 5000 + b"}")))
     elif kind == "json":
@@ -177,6 +194,8 @@ def test_no_request_crashes_stalls_or_changes_the_server(server: LiveServer) -> 
         if response.status_code >= 400:
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}
+        elif path in (_TOKENIZE, _DETOKENIZE):
+            assert set(response.json()) == ({"tokens"} if path == _TOKENIZE else {"content"})
         elif "text/event-stream" not in response.headers.get("content-type", ""):
             assert response.json()["choices"]
 
