@@ -426,3 +426,19 @@ def test_the_help_names_each_connection_option_with_its_variable(capsys: pytest.
                              ("--keep-alive-timeout", "$LLAMA_CACHE_KEEP_ALIVE_TIMEOUT"),
                              ("--max-connections", "$LLAMA_CACHE_MAX_CONNECTIONS")):
         assert option in text and variable in text
+
+
+def test_a_bad_tls_file_stops_the_command_with_a_message_before_the_model_loads(tmp_path: Path) -> None:
+    pem = tmp_path / "not.pem"
+    pem.write_text("not a key, nor a certificate\n")
+    with pytest.raises(SystemExit, match="cannot serve: "):
+        main(["serve", "--port", str(free_port()), "--ssl-keyfile", str(pem), "--ssl-certfile", str(pem)])
+
+
+@pytest.mark.model
+def test_an_address_in_use_stops_the_command_with_a_message() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit, match="cannot serve: .*in use"):
+            main(["serve", "--port", str(taken.getsockname()[1]), "--n-ctx", str(N_CTX), "--parallel", "1"])

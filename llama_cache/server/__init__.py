@@ -94,7 +94,7 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     saved = {sig: signal.signal(sig, _stop) for sig in _STOP_SIGNALS} if in_main_thread else {}
     sockets: list[socket.socket] = []
     try:
-        # Bound here, not by uvicorn, which would log its address as http:// (it knows nothing of the TLS).
+        # Bound here rather than by uvicorn, which would log its address as http:// (the TLS is the protocol's).
         sockets = listening_sockets(config.host, config.port)
         for sock in sockets:
             host, port = sock.getsockname()[:2]
