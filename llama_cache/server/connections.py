@@ -4,8 +4,9 @@ uvicorn (0.54, its h11 protocol) bounds none of these: a connection that never s
 dribbles its headers, is held until the client leaves; ``timeout_keep_alive`` starts only after a
 response and any byte stops it; ``limit_concurrency`` accepts every connection and answers 503 only
 once a request's headers are in, counting the asking connection itself. Over TLS, asyncio's server
-waits 60 s for a handshake and, on every close, 30 s for the peer's ``close_notify`` (which an idle
-pooled client never reads, so a SIGTERM waited the whole shutdown timeout for it).
+waits up to 60 s for a handshake and, on every close, up to 30 s for the peer's ``close_notify``,
+which an idle pooled client never reads: uvicorn's shutdown closes an idle connection, then waits for
+the connection to be lost, so a SIGTERM with one idle TLS client took 30 s.
 
 :func:`guarded_protocol` makes the protocol class to give ``uvicorn.Config(http=...)``. Its contract,
 per connection:
@@ -105,7 +106,9 @@ class GuardedProtocol(H11Protocol):
     Besides asyncio's protocol methods it overrides three of uvicorn's hooks on its protocols:
     ``shutdown`` (called by uvicorn's server on SIGTERM), ``on_response_complete`` (called when a
     response's last byte is written) and ``timeout_keep_alive_handler`` (uvicorn's keep-alive timer).
-    It reads the h11 connection's state (``self.conn``, h11's public API) to tell when headers are in.
+    Of ``H11Protocol`` it reads only attributes without an underscore (``conn``, ``cycle``,
+    ``transport``, ``connections``, ``loop``), and of the h11 connection its public state
+    (``their_state``, ``trailing_data``), to tell when a request's headers are in.
     """
 
     guard: ClassVar[_Guard]
