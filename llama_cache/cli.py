@@ -97,7 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if config.model_path is not None:
             _resolve_model(config.model_path)
         logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-        serve(config)
+        try:
+            serve(config)
+        except OSError as error:  # the address in use, a TLS file unreadable or not a key and certificate
+            raise SystemExit(f"llama-cache: cannot serve: {error}") from None
         return 0
     raise AssertionError(f"unhandled command {args.command}")  # argparse rejects unknown commands
 

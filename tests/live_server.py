@@ -1,12 +1,15 @@
 """A live ``llama-cache serve`` app for tests: uvicorn in a background thread on a free loopback port.
 
-The app gets the whole :class:`ServerConfig` (keys, CORS, limits); the server listens on loopback, on a
-free port, over plain HTTP whatever the config's ``host``, ``port`` and TLS files.
+The app gets the whole :class:`ServerConfig` (keys, CORS, limits), its connections ``serve``'s protocol
+(header deadline, keep-alive, their number); the server listens on loopback, on a free port, whatever
+the config's ``host`` and ``port``, over plain HTTP whatever its TLS files, or HTTPS with the TLS context
+given.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -17,6 +20,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from llama_cache.server import DrainingServer, ServerConfig, create_app, load_engine
+from llama_cache.server.connections import TLS_SHUTDOWN_TIMEOUT, guarded_protocol
 
 __all__ = ["LiveServer", "free_port", "rss_bytes"]
 
@@ -44,7 +48,8 @@ class LiveServer:
     pooled sockets with a ResourceWarning during whichever test happens to run then.
     """
 
-    def __init__(self, config: ServerConfig, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, config: ServerConfig, shutdown_timeout: float = 5.0, tls: ssl.SSLContext | None = None,
+                 tls_shutdown_timeout: float = TLS_SHUTDOWN_TIMEOUT) -> None:
         self.port = free_port()
         self._clients: list[openai.OpenAI] = []
         self.engine = load_engine(config)
@@ -53,6 +58,9 @@ class LiveServer:
         self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", ws="none",
             timeout_graceful_shutdown=shutdown_timeout,
+            http=guarded_protocol(config.header_timeout, config.max_connections, tls,
+                                  tls_shutdown_timeout=tls_shutdown_timeout),
+            timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]
         ))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
@@ -60,7 +68,7 @@ class LiveServer:
         while not self.server.started:
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         kwargs.setdefault("api_key", self.key or "unused")

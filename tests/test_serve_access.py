@@ -308,7 +308,7 @@ def test_https_with_keys_from_a_file_and_the_environment_and_public_metrics(tmp_
             process.kill()
             process.wait()
     output = log.read_text()
-    assert "Uvicorn running on https://" in output and "Traceback" not in output
+    assert "listening on https://127.0.0.1:" in output and "Traceback" not in output
     assert "no API key" not in output
     for secret in ("sk-file-one", "sk-file-two", "sk-env-one", "sk-env-two", WRONG_KEY):
         assert secret not in output

@@ -20,6 +20,7 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.transport`: the body read (bounded in size and time), disconnects, server-sent events.
 - :mod:`.engine`: what a server serves: the contexts, their shared prompt cache, the request limits.
 - :mod:`.app`: the routes (Starlette), the worker threads, shutdown.
+- :mod:`.connections`: the connections: the header deadline, the bound on open ones, TLS, prompt closes.
 
 :func:`serve` runs it under uvicorn until SIGTERM or SIGINT.
 """
@@ -28,11 +29,13 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from types import FrameType
 
 from llama_cache.server.access import is_loopback
 from llama_cache.server.app import DrainingServer, create_app
+from llama_cache.server.connections import guarded_protocol, listening_sockets, raise_open_file_limit, tls_context
 from llama_cache.server.engine import Engine, load_engine
 from llama_cache.server.config import ServerConfig
 
@@ -46,21 +49,31 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     """Load the model and serve it until SIGTERM or SIGINT, then drain and return.
 
-    On SIGTERM uvicorn stops accepting connections and waits up to ``config.shutdown_timeout``
-    seconds for running and queued requests, then cancels the rest; the app then flushes the prompt
-    cache's background writes and frees the contexts, and this function returns (the command then
-    exits with status 0). HTTPS when ``config`` names a key and certificate. A warning is logged when
-    the server listens beyond loopback with no API key.
+    On SIGTERM uvicorn stops accepting connections, idle ones are closed at once, and it waits up to
+    ``config.shutdown_timeout`` seconds for running and queued requests, then cancels the rest; the app
+    then flushes the prompt cache's background writes and frees the contexts, and this function returns
+    (the command then exits with status 0). HTTPS when ``config`` names a key and certificate. The
+    connections are bounded as :mod:`.connections` says (header deadline, keep-alive, their number);
+    the soft limit on open files is raised, within the hard one, to fit ``config.max_connections``. A
+    warning is logged when the server listens beyond loopback with no API key, or when the open-file
+    limit is below ``max_connections``.
 
     Raises:
         FileNotFoundError, ValueError: the model could not be loaded.
-        OSError: the address is in use.
+        OSError: the address is in use, or a TLS file cannot be read (``ssl.SSLError``: it is no key
+            or certificate, or they do not match).
     """
     import uvicorn
 
     if not config.api_keys and not is_loopback(config.host):
         logger.warning("listening on %s with no API key: whoever reaches this address may use the model "
                        "(set --api-key-file or $LLAMA_CACHE_API_KEY)", config.host)
+    tls = tls_context(config.ssl_certfile, config.ssl_keyfile) if config.ssl_certfile and config.ssl_keyfile else None
+    open_files = raise_open_file_limit(config.max_connections)
+    if open_files is not None and open_files < config.max_connections:
+        logger.warning("the open-file limit (%d) is below --max-connections (%d): connections past it are not "
+                       "accepted until others close (raise the hard limit: ulimit -Hn)", open_files,
+                       config.max_connections)
     engine = load_engine(config)
     options = config.context_options()
     logger.info("serving %s with %d context(s) of %d tokens, %d threads each, flash attention %s, %s prompt cache",
@@ -68,10 +81,10 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
                 "on" if options["flash_attn"] else "off", " + ".join(name for name, _ in engine.tiers))
     uvicorn_config = uvicorn.Config(
         create_app(engine, config),
-        host=config.host,
-        port=config.port,
-        ssl_keyfile=config.ssl_keyfile,
-        ssl_certfile=config.ssl_certfile,
+        # TLS is the protocol's (see .connections): uvicorn's own would hold a silent handshake for 60 s.
+        http=guarded_protocol(config.header_timeout, config.max_connections, tls),
+        ws="none",  # no WebSocket route; an upgrade would take its connection out of the protocol's hands
+        timeout_keep_alive=config.keep_alive_timeout,  # type: ignore[arg-type]  # a float works (call_later)
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=config.shutdown_timeout,
@@ -81,13 +94,22 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
     # process with SIGTERM (or raise KeyboardInterrupt) after a clean drain; this one ends it normally.
     in_main_thread = threading.current_thread() is threading.main_thread()  # else uvicorn takes no signals
     saved = {sig: signal.signal(sig, _stop) for sig in _STOP_SIGNALS} if in_main_thread else {}
+    sockets: list[socket.socket] = []
     try:
-        DrainingServer(uvicorn_config).run()
+        # Bound here rather than by uvicorn, which would log its address as http:// (the TLS is the protocol's).
+        sockets = listening_sockets(config.host, config.port)
+        for sock in sockets:
+            host, port = sock.getsockname()[:2]
+            logger.info("listening on %s://%s:%d", "https" if tls else "http",
+                        f"[{host}]" if ":" in host else host, port)
+        DrainingServer(uvicorn_config).run(sockets=sockets)
     except _Stopped as stopped:
         logger.info("stopped by %s", stopped)
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+        for sock in sockets:
+            sock.close()
         engine.close()  # already done by the app's shutdown, unless uvicorn stopped before starting it
 
 

@@ -30,6 +30,10 @@ DEFAULT_MAX_MESSAGES = 1024
 # llama-server's default slot count.
 DEFAULT_PARALLEL = 4
 DEFAULT_BODY_TIMEOUT = 30.0
+DEFAULT_HEADER_TIMEOUT = 10.0
+# uvicorn's keep-alive default.
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
+DEFAULT_MAX_CONNECTIONS = 1024
 # What a browser sends as Origin: scheme://host[:port], no path (a trailing slash never matches).
 _ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+")
 # llama-cpp-python's default batch, and llama-server's physical batch (its logical batch of 2048 buys
@@ -108,6 +112,12 @@ class ServerConfig:
         max_messages: the most messages one chat request may hold; more are answered 400
             (``limit_exceeded``). The other limits on a request are in :mod:`.limits`.
         body_timeout: seconds a request's whole body may take to arrive; a slower one is answered 408.
+        header_timeout: seconds a request's headers may take, from the connection's opening (TLS
+            handshake included) or, on a keep-alive connection, from the previous response's end; past
+            them the connection is closed (after a 408 if part of a request came). See :mod:`.connections`.
+        keep_alive_timeout: seconds an idle keep-alive connection is kept between requests; at most
+            ``header_timeout``, which bounds that wait too.
+        max_connections: connections served at once; one more is answered 503 at once and closed.
         api_keys: the keys a request may present (``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``),
             each of visible ASCII characters; empty: no key is asked for. ``/health`` never asks.
         metrics_public: ``/metrics`` answers without a key when keys are set.
@@ -148,6 +158,9 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT
+    keep_alive_timeout: float = DEFAULT_KEEP_ALIVE_TIMEOUT
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     api_keys: tuple[str, ...] = ()
     metrics_public: bool = False
     cache_shared_across_keys: bool = False
@@ -175,8 +188,18 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_messages < 1:
             raise ValueError(f"max_messages must be positive, got {self.max_messages}")
-        if not (math.isfinite(self.body_timeout) and self.body_timeout > 0):
-            raise ValueError(f"body_timeout must be a positive number of seconds, got {self.body_timeout}")
+        for name in ("body_timeout", "header_timeout", "keep_alive_timeout"):
+            seconds = getattr(self, name)
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                    math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds!r}")
+        if self.keep_alive_timeout > self.header_timeout:
+            raise ValueError(f"keep_alive_timeout ({self.keep_alive_timeout:g} s) must not exceed header_timeout "
+                             f"({self.header_timeout:g} s), which bounds the wait for a keep-alive connection's "
+                             f"next request too: raise header_timeout as well")
+        if isinstance(self.max_connections, bool) or not isinstance(self.max_connections, int) or (
+                self.max_connections < 1):
+            raise ValueError(f"max_connections must be a positive integer, got {self.max_connections!r}")
         for name in ("api_keys", "cors_origins"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -248,6 +271,15 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "body_timeout": ("LLAMA_CACHE_BODY_TIMEOUT", float,
                      f"seconds a request body may take to arrive; slower ones get 408 "
                      f"(default {DEFAULT_BODY_TIMEOUT:g})"),
+    "header_timeout": ("LLAMA_CACHE_HEADER_TIMEOUT", float,
+                       f"seconds a connection may take to send a request's headers, from its opening or the "
+                       f"previous response's end; slower ones are closed (default {DEFAULT_HEADER_TIMEOUT:g})"),
+    "keep_alive_timeout": ("LLAMA_CACHE_KEEP_ALIVE_TIMEOUT", float,
+                           f"seconds an idle keep-alive connection is kept between requests, at most "
+                           f"--header-timeout (default {DEFAULT_KEEP_ALIVE_TIMEOUT:g})"),
+    "max_connections": ("LLAMA_CACHE_MAX_CONNECTIONS", int,
+                        f"connections served at once; one more is answered 503 and closed "
+                        f"(default {DEFAULT_MAX_CONNECTIONS})"),
     # A flag on the command line (bool), on or off in the environment.
     "metrics_public": ("LLAMA_CACHE_METRICS_PUBLIC", bool, "serve /metrics without a key when keys are set"),
     "cache_shared_across_keys": ("LLAMA_CACHE_CACHE_SHARED_ACROSS_KEYS", bool,
