@@ -19,9 +19,11 @@ import pytest
 class SizedState:
     """A stand-in value for cache tests: knows its tokens and its size, nothing else."""
 
-    def __init__(self, tokens: Sequence[int], nbytes: int) -> None:
+    def __init__(self, tokens: Sequence[int], nbytes: int, fingerprint: str | None = None) -> None:
         self.tokens = tuple(tokens)
         self.nbytes = nbytes
+        if fingerprint is not None:
+            self.fingerprint = fingerprint
 
 
 class CacheContract:
@@ -32,6 +34,10 @@ class CacheContract:
 
     def make_state(self, tokens: Sequence[int], nbytes: int = 1000) -> Any:
         return SizedState(tokens, nbytes)
+
+    def make_state_of(self, tokens: Sequence[int], fingerprint: str) -> Any:
+        """A state made in the namespace ``fingerprint`` (see ``namespaced_fingerprint``)."""
+        return SizedState(tokens, 1000, fingerprint)
 
     def size_of(self, state: Any) -> int:
         return int(state.nbytes)
@@ -90,6 +96,19 @@ class CacheContract:
             assert [5, 6, 0] not in cache
         with pytest.raises(KeyError):
             cache[[4, 5, 6, 7, 8]]
+
+    def test_a_namespace_answers_from_its_own_states_only(self) -> None:
+        cache = self.make_cache(10**6)
+        cache[[1, 2, 3, 4]] = self.make_state_of([1, 2, 3, 4], "a" * 32)
+        cache[[1, 2, 3, 9]] = self.make_state_of([1, 2, 3, 9], "b" * 32)
+        query = [1, 2, 3, 4, 5]
+        assert cache.match_length(query, namespace="a" * 32) == 4
+        assert self.tokens_of(cache.lookup_prefix(query, namespace="a" * 32))[:4] == (1, 2, 3, 4)
+        assert cache.match_length(query, namespace="b" * 32) < 4  # its own [1, 2, 3, 9] at best
+        assert self.tokens_of(cache.lookup_prefix([1, 2, 3, 9], namespace="b" * 32))[:4] == (1, 2, 3, 9)
+        assert cache.match_length(query, namespace="c" * 32) == 0
+        with pytest.raises(KeyError):
+            cache.lookup_prefix(query, namespace="c" * 32)
 
     def test_empty_key_and_query(self) -> None:
         cache = self.make_cache(10**6)

@@ -109,6 +109,9 @@ class TestRedisContract(CacheContract):
     def make_state(self, tokens: Sequence[int], nbytes: int = 1000) -> Any:
         return fixed_state(tokens, nbytes)
 
+    def make_state_of(self, tokens: Sequence[int], fingerprint: str) -> Any:
+        return fixed_state(tokens, 1000, fingerprint=fingerprint)
+
     def size_of(self, state: Any) -> int:
         return redis_size(state)
 

@@ -62,6 +62,9 @@ class _TieredContract(CacheContract):
     def make_state(self, tokens: Sequence[int], nbytes: int = 1000) -> Any:
         return self.maker(tokens, nbytes)
 
+    def make_state_of(self, tokens: Sequence[int], fingerprint: str) -> Any:
+        return self.maker(tokens, 1000, fingerprint=fingerprint)
+
     def size_of(self, state: Any) -> int:
         return ram_size(state) + disk_size(state)
 
