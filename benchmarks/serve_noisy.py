@@ -29,6 +29,11 @@ kinds in turn, attacker ``i`` starting at kind ``i``:
   takes ``tool_choice`` as a string only: it logs the object as of the wrong type and uses ``auto``);
 - ``disconnect``: a ``long_prompt`` request whose client closes the connection once it is sent.
 
+A third phase, flood: ``--flood-attackers`` clients (default 16; 0 skips the phase) in a loop sending
+the costliest utility requests the bounds accept, in turn (:func:`flood_requests`): ``tokenize``, a text
+as long as a prompt's text may be with a special token every few bytes (llama.cpp's tokenizer copies
+the rest of the text at each), and ``detokenize``, a context's worth of token ids.
+
 Every server gets the same requests; their status codes are counted per kind and server (a server that
 refuses one kind is recorded as such, not skipped). Servers: ``llama-cache serve`` and llama.cpp's
 ``llama-server`` (found as ``benchmarks/serve.py`` says; skipped with a message when absent), with the
@@ -37,7 +42,7 @@ The order of the servers rotates from round to round; each round starts every se
 
 Targets, as ratios of the medians over rounds of each phase's p95 (time to first token and total):
 ours under attack over ours quiet at most 2x; ours under attack over llama-server under attack at most
-1x. Prints a table and writes ``benchmarks/results/serve_noisy.json`` (machine, versions, settings of
+1x; ours under the flood over ours quiet at most 2x. Prints a table and writes ``benchmarks/results/serve_noisy.json`` (machine, versions, settings of
 every side, the requests' measured sizes, every round's numbers, the verdicts)::
 
     tools/run python benchmarks/serve.py --scenario noisy [--rounds 3] [--servers llama-cache,llama-server]
@@ -86,6 +91,7 @@ from benchmarks.serve import (
     llama_server_version,
 )
 from llama_cache import default_model_path
+from llama_cache.detokenizer import Detokenizer
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, on_off, physical_cores
 
 SERVERS = ("llama-cache", "llama-server")
@@ -100,8 +106,12 @@ QUESTIONS = [
     "What is frozen water called?",
 ]
 KINDS = ("long_prompt", "many_messages", "json_object", "json_schema", "tool_schema", "disconnect")
+# The flood phase's kinds, and the endpoint of each (the attack phase's kinds post chat completions).
+FLOOD_KINDS = ("tokenize", "detokenize")
+UTILITY_PATHS = {"tokenize": "/tokenize", "detokenize": "/detokenize"}
 ATTACK_MAX_TOKENS = 64  # the constrained kinds' answers
 QUIET_VS_ATTACK_TARGET = 2.0
+FLOOD_VS_QUIET_TARGET = 2.0
 VS_LLAMA_SERVER_TARGET = 1.0
 # Under attack, a share of failed normal requests above this fails the targets whatever the latencies.
 FAILED_SHARE = 0.05
@@ -279,6 +289,34 @@ def worst_requests(limits: Limits, n_ctx: int, probe: Any, fill: float, messages
     return Attacks(make, sizes)
 
 
+def flood_requests(limits: Limits, n_ctx: int, probe: Any) -> Attacks:
+    """The costliest ``/tokenize`` and ``/detokenize`` bodies the server's bounds accept.
+
+    ``tokenize``: a text as long as the bound on a prompt's text allows (``n_ctx`` times the longest
+    token's bytes, less a margin), holding ``n_ctx - 2`` special tokens spread through it (llama.cpp's
+    tokenizer copies the rest of the text at each one); ``detokenize``: ``n_ctx`` random token ids.
+    """
+    budget = int(limits.max_text_bytes_per_token * n_ctx * 0.95)
+    special = "<|im_end|>"
+    count = n_ctx - 2
+    gap = max(1, (budget - count * len(special)) // (count + 1))
+
+    def tokenize(rng: random.Random) -> dict[str, Any]:
+        filler = _text(rng, budget // 4)[: gap * (count + 1)]
+        parts = [filler[i * gap : (i + 1) * gap] for i in range(count + 1)]
+        return {"content": special.join(parts)}
+
+    def detokenize(rng: random.Random) -> dict[str, Any]:
+        return {"tokens": [rng.randrange(probe.n_vocab()) for _ in range(n_ctx)]}
+
+    make = {"tokenize": tokenize, "detokenize": detokenize}
+    sample = tokenize(random.Random(3))
+    sizes = {"tokenize": {"body_bytes": len(json.dumps(sample).encode()), "special_tokens": count,
+                          "tokens": len(probe.tokenize(sample["content"].encode(), add_bos=False, special=True))},
+             "detokenize": {"tokens": n_ctx}}
+    return Attacks(make, sizes)
+
+
 # -- clients -------------------------------------------------------------------------------------------
 
 
@@ -353,13 +391,16 @@ async def _attacker(index: int, url: str, headers: dict[str, str], attacks: Atta
         for number in itertools.count():
             kind = kinds[(index + number) % len(kinds)]
             counts = phase.attacks.setdefault(kind, collections.Counter())
-            body = dict(attacks.make[kind](rng), model="default")
+            body = attacks.make[kind](rng)
+            path = UTILITY_PATHS.get(kind, "/v1/chat/completions")
+            if path == "/v1/chat/completions":
+                body["model"] = "default"
             try:
                 if kind == "disconnect":
                     await _send_and_leave(url, json.dumps(body).encode(), headers)
                     counts["left"] += 1
                     continue
-                response = await client.post(url + "/v1/chat/completions", json=body)
+                response = await client.post(url + path, json=body)
                 counts[str(response.status_code)] += 1
             except asyncio.CancelledError:
                 counts["cut at the phase's end"] += 1
@@ -375,11 +416,12 @@ async def warm_up(url: str, headers: dict[str, str], max_tokens: int) -> None:
 
 
 async def run_phase(url: str, headers: dict[str, str], args: argparse.Namespace, attacks: Attacks | None,
-                    seed: int) -> tuple[Phase, float]:
-    """The normal clients' requests, alone or beside the attackers; returns the phase and its seconds."""
+                    seed: int, kinds: list[str] | None = None, count: int = 0) -> tuple[Phase, float]:
+    """The normal clients' requests, alone or beside ``count`` attackers sending ``kinds`` in turn;
+    returns the phase and its seconds."""
     phase = Phase()
-    attackers = [asyncio.ensure_future(_attacker(i, url, headers, attacks, args.kinds, seed * 100 + i, phase))
-                 for i in range(args.attackers)] if attacks else []
+    attackers = [asyncio.ensure_future(_attacker(i, url, headers, attacks, kinds or [], seed * 100 + i, phase))
+                 for i in range(count)] if attacks else []
     start = time.perf_counter()
     try:
         if attackers:
@@ -434,6 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attackers", type=int, default=4)
     parser.add_argument("--kinds", type=lambda text: [k for k in text.split(",") if k], default=list(KINDS),
                         help=f"the attackers' kinds of request, in turn (default: all, {','.join(KINDS)})")
+    parser.add_argument("--flood-attackers", type=int, default=16,
+                        help="clients flooding /tokenize and /detokenize in the flood phase (0: no flood phase)")
     parser.add_argument("--attack-warmup", type=float, default=3.0, help="seconds of attack before measuring")
     parser.add_argument("--attack-timeout", type=float, default=60.0, help="the longest a phase may last")
     parser.add_argument("--fill", type=float, default=0.9, help="share of the context the long prompts take")
@@ -453,9 +497,11 @@ def main(argv: list[str] | None = None) -> int:
 
     model = default_model_path()
     probe = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
-    max_token_bytes = max(len(probe.detokenize([t])) for t in range(probe.n_vocab()))
+    pieces = Detokenizer.for_llama(probe)  # every piece whole: the server's bound counts the longest
+    max_token_bytes = max(len(pieces.piece(t, special=True)) for t in range(probe.n_vocab()))
     limits = Limits.of_server(max_token_bytes)
     attacks = worst_requests(limits, args.n_ctx, probe, args.fill)
+    flood = flood_requests(limits, args.n_ctx, probe)
     del probe
     env = dict(os.environ, PYTHONPATH=str(REPO))
     llama_server = _find_llama_server()
@@ -480,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         "attack": {"attackers": args.attackers, "kinds": args.kinds, "warmup_s": args.attack_warmup,
                    "phase_timeout_s": args.attack_timeout, "fill": args.fill,
                    "limits": dataclasses.asdict(limits), "sizes": attacks.sizes},
+        "flood": {"attackers": args.flood_attackers, "kinds": list(FLOOD_KINDS), "sizes": flood.sizes},
         "rounds": args.rounds, "commands": {}, "runs": [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -494,14 +541,15 @@ def main(argv: list[str] | None = None) -> int:
             log = args.out.parent / f"serve-noisy-{name}.log"
             run: dict[str, Any] = {"round": round_number, "server": name}
             with _server(command, port, env, log, headers) as url:
-                for phase_name in ("quiet", "attack"):
+                for phase_name in ("quiet", "attack", "flood") if args.flood_attackers else ("quiet", "attack"):
                     print(f"round {round_number + 1}/{args.rounds}: {name}, {phase_name}...", file=sys.stderr,
                           flush=True)
                     load = os.getloadavg()[0]
                     if phase_name == "quiet":
                         asyncio.run(warm_up(url, headers, args.max_tokens))
-                    phase, seconds = asyncio.run(run_phase(url, headers, args, attacks if phase_name == "attack"
-                                                           else None, round_number + 1))
+                    sent, kinds, count = {"quiet": (None, None, 0), "attack": (attacks, args.kinds, args.attackers),
+                                          "flood": (flood, list(FLOOD_KINDS), args.flood_attackers)}[phase_name]
+                    phase, seconds = asyncio.run(run_phase(url, headers, args, sent, round_number + 1, kinds, count))
                     run[phase_name] = {"ttft": _stats(phase.ttft, phase.cut_ttft),
                                        "total": _stats(phase.total, phase.cut_total),
                                        "measured": len(phase.total), "cut": phase.cut_total,
@@ -527,8 +575,10 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]
     normal requests that failed and the attackers' statuses per kind, summed over the rounds."""
     summary: dict[str, dict[str, dict[str, Any]]] = {}
     for name in dict.fromkeys(run["server"] for run in runs):
-        for phase in ("quiet", "attack"):
-            rows = [run[phase] for run in runs if run["server"] == name]
+        for phase in ("quiet", "attack", "flood"):
+            rows = [run[phase] for run in runs if run["server"] == name and phase in run]
+            if not rows:
+                continue
             row: dict[str, Any] = {"rounds": len(rows), "measured": sum(r["measured"] for r in rows),
                                    "cut": sum(r["cut"] for r in rows)}
             for measure in ("ttft", "total"):
@@ -542,7 +592,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]
             for r in rows:
                 for kind, counts in r["attacks"].items():
                     attacks.setdefault(kind, collections.Counter()).update(counts)
-            row["attacks"] = {kind: dict(attacks[kind]) for kind in KINDS if kind in attacks}
+            row["attacks"] = {kind: dict(attacks[kind]) for kind in KINDS + FLOOD_KINDS if kind in attacks}
             row["load_average"] = [min(r["load_average"][0] for r in rows), max(r["load_average"][1] for r in rows)]
             row["server_died"] = sum(1 for r in rows if not r["server_alive_after"])
             failed = sum(v for k, v in row["failed"].items() if k != NOT_SENT)
@@ -589,7 +639,9 @@ def _targets(summary: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[st
     theirs = summary.get("llama-server", {})
     sides = {"attack_vs_quiet": (ours.get("attack"), ours.get("quiet"), QUIET_VS_ATTACK_TARGET),
              "attack_vs_llama_server": (ours.get("attack"), theirs.get("attack"), VS_LLAMA_SERVER_TARGET),
-             "llama_server_attack_vs_quiet": (theirs.get("attack"), theirs.get("quiet"), None)}
+             "llama_server_attack_vs_quiet": (theirs.get("attack"), theirs.get("quiet"), None),
+             "flood_vs_quiet": (ours.get("flood"), ours.get("quiet"), FLOOD_VS_QUIET_TARGET),
+             "llama_server_flood_vs_quiet": (theirs.get("flood"), theirs.get("quiet"), None)}
     targets: dict[str, dict[str, Any]] = {}
     for name, (top, bottom, target) in sides.items():
         keys = [f"{m}_{q}" for m in ("ttft", "total") for q in ("p50", "p95")]
@@ -646,7 +698,8 @@ def _table(results: dict[str, Any]) -> str:
                              f"of {row['rounds']} round(s)")
     lines.append("attackers' statuses per kind, summed over rounds:")
     for name, phases in results["summary"].items():
-        for kind, counts in phases["attack"]["attacks"].items():
+        for kind, counts in [item for phase in ("attack", "flood") if phase in phases
+                             for item in phases[phase]["attacks"].items()]:
             lines.append(f"  {name:<13} {kind:<14} " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
     lines.append("targets (ratios of medians, '>' a lower bound, '<' an upper bound, '~' neither, 'failed': the "
                  f"server died or more than {FAILED_SHARE:.0%} of the normal requests failed; verdict on the p95s):")

@@ -555,7 +555,9 @@ def serve_keys(results: Results) -> str:
 
 NOISY_TARGETS = {"attack_vs_quiet": "ours under attack / ours quiet",
                  "attack_vs_llama_server": "ours under attack / llama-server under attack",
-                 "llama_server_attack_vs_quiet": "llama-server under attack / llama-server quiet"}
+                 "llama_server_attack_vs_quiet": "llama-server under attack / llama-server quiet",
+                 "flood_vs_quiet": "ours under a tokenize/detokenize flood / ours quiet",
+                 "llama_server_flood_vs_quiet": "llama-server under the flood / llama-server quiet"}
 
 
 @renders("serve-noisy")
@@ -589,7 +591,10 @@ def serve_noisy(results: Results) -> str:
     settings, normal = run["servers_settings"], run["normal"]
     return "\n\n".join([
         f"{normal['clients']} clients, {normal['max_tokens']} tokens per answer; {run['attack']['attackers']} attackers "
-        f"({', '.join(run['attack']['kinds'])}); every server {settings['parallel']} slots, n_ctx {settings['n_ctx']} "
+        f"({', '.join(run['attack']['kinds'])})"
+        + (f"; flood phase: {run['flood']['attackers']} clients sending /tokenize and /detokenize"
+           if "flood" in run else "")
+        + f"; every server {settings['parallel']} slots, n_ctx {settings['n_ctx']} "
         f"per request, {settings['threads']} threads, batch {settings['n_batch']}, flash attention "
         f"{'on' if settings['flash_attn'] else 'off'}; {run['rounds']} rounds, order rotated. Seconds, median over "
         "rounds (min-max):",

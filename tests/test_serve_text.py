@@ -113,6 +113,14 @@ def test_a_logit_bias_key_of_thousands_of_digits_is_a_counted_400(server: LiveSe
     assert server.metrics()[key] == before + 3
 
 
+def test_a_pattern_bound_of_thousands_of_digits_is_a_400(server: LiveServer) -> None:
+    schema = {"type": "string", "pattern": "^a{" + "9" * 5000 + "}$"}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    response = _post(server, "/v1/chat/completions", body)
+    assert response.status_code == 400 and response.json()["error"]["code"] == "limit_exceeded"
+
+
 def test_an_error_no_route_answered_is_a_counted_json_500(server: LiveServer, monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:

@@ -7,7 +7,6 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.errors`: the error a request is refused with (OpenAI's error body).
 - :mod:`.access`: API keys and CORS, before any route.
 - :mod:`.limits`: the bounds on one request's cost, and the checks that enforce them.
-- :mod:`.protocol`: request validation.
 - :mod:`.protocol`: request validation and OpenAI-shaped error bodies.
 - :mod:`.constraints`: structured outputs (JSON schemas compiled on llguidance, enforced per sequence).
 - :mod:`.refusals`, :mod:`.schema_nodes`, :mod:`.schema_refusals`, :mod:`.schema_ending`,
@@ -18,6 +17,7 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.compute`: the one thread on which every context evaluates, in rounds.
 - :mod:`.metrics`: the Prometheus metrics, in a registry per app.
 - :mod:`.transport`: the body read (bounded in size and time), disconnects, server-sent events.
+- :mod:`.utilities`: the lane ``/tokenize`` and ``/detokenize`` run on, apart from completions, bounded.
 - :mod:`.engine`: what a server serves: the contexts, their shared prompt cache, the request limits.
 - :mod:`.app`: the routes (Starlette), the worker threads, shutdown.
 - :mod:`.connections`: the connections: the header deadline, the bound on open ones, TLS, prompt closes.

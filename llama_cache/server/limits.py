@@ -223,7 +223,8 @@ def check_schema(schema: Any, param: str, limits: RequestLimits) -> None:
             elif keyword == "pattern" and isinstance(value, str):
                 for low, high in _QUANTIFIER.findall(value):
                     for bound in (low, high):
-                        if bound and int(bound) > limits.max_repetition:
+                        # Digits counted before int(): Python refuses to convert more than 4,300.
+                        if bound and (len(bound.lstrip("0")) > 18 or int(bound) > limits.max_repetition):
                             raise limit_error(param, f"has a pattern repeating {bound} times; this server "
                                               f"accepts repetition bounds of at most {limits.max_repetition}")
             if enum_values > limits.max_enum_values:

@@ -36,7 +36,7 @@ async def read_body(request: Request, limit: int, timeout: float = DEFAULT_BODY_
             ``Connection: close`` (the server then drops the connection, the rest of the body unread).
     """
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isdigit() and (len(declared.lstrip("0")) > 18 or int(declared) > limit):  # no int() of 5,000 digits
         raise _too_large(limit)
     try:
         return await asyncio.wait_for(_read_chunks(request, limit), timeout)
