@@ -606,12 +606,14 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         """Reconcile the index with the payload files.
 
         Finds malformed rows (see the module docstring), orphan files (named by no entry), entries whose
-        file is missing, is not a regular file or has another length than recorded, and with ``deep``
-        entries whose payload does not decode (reads every file). With ``fix`` the bad entries and
-        malformed rows are deleted (through the change log, so other processes follow) and orphan files
-        older than ``grace_seconds`` are unlinked: younger ones may belong to a write in progress in
-        another process. Never raises for what the directory holds; an unavailable index is logged and
-        reported as ``index_ok=False``.
+        file is missing, is not a regular file or has another length than recorded, empty shard
+        folders, and with ``deep`` entries whose payload does not decode (reads every file); measures
+        what the directory takes as ``du`` counts it (a walk of the directory) next to what the budget
+        counts. With ``fix`` the bad entries and malformed rows are deleted (through the change log,
+        so other processes follow), orphan files older than ``grace_seconds`` are unlinked (younger
+        ones may belong to a write in progress in another process), empty folders are removed and the
+        folders' sizes measured again. Never raises for what the directory holds; an unavailable index
+        is logged and reported as ``index_ok=False``.
 
         Returns:
             A :class:`CheckReport` of what was found (and removed).
