@@ -165,6 +165,7 @@ def format_report(report: CheckReport) -> str:
         ("malformed rows (ignored by lookups; --fix deletes them)", report.malformed_rows),
         ("entries whose chunks are missing or damaged", report.broken_chains),
         ("chunks no entry uses (harmless; --fix frees them)", report.leaked_chunks),
+        ("empty shard folders (harmless; --fix removes them)", report.empty_folders),
     ):
         if files:
             lines.append(f"  {len(files)} {label}:")
@@ -173,6 +174,8 @@ def format_report(report: CheckReport) -> str:
                 lines.append(f"    ... and {len(files) - 20} more")
     if report.chunks:
         lines[0] += f", {report.chunks} chunks"
+    lines.insert(1, f"  the directory takes {_human(report.disk_usage)} as du counts it; the byte budget counts "
+                    f"{_human(report.budgeted_bytes)} of it")
     if report.removed_entries or report.removed_files:
         lines.append(f"fixed: removed {report.removed_entries} entries and {report.removed_files} orphan files")
     if report.ok:

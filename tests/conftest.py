@@ -107,11 +107,20 @@ def tiny_model_paths(tmp_path_factory: pytest.TempPathFactory, tokenizer_source:
 
 @pytest.fixture
 def open_cache(tmp_path: Path) -> Iterator[Callable[..., LlamaDiskCache]]:
-    """A factory of disk caches in ``tmp_path / "cache"`` (or ``cache_dir=``), all closed at teardown."""
+    """A factory of disk caches in ``tmp_path / "cache"`` (or ``cache_dir=``), all closed at teardown.
+
+    ``capacity_bytes`` is the room for the entries' files (``cache_size``, what the shared cache
+    contract budgets): each cache is given that plus what an empty cache takes
+    (:meth:`LlamaDiskCache.minimum_capacity`: its index and folders). A capacity that is not a
+    positive int is passed on as it is, to be refused.
+    """
     caches: list[LlamaDiskCache] = []
 
     def factory(capacity_bytes: int = 10**7, **kwargs: Any) -> LlamaDiskCache:
-        cache = LlamaDiskCache(kwargs.pop("cache_dir", tmp_path / "cache"), capacity_bytes, **kwargs)
+        directory = kwargs.pop("cache_dir", tmp_path / "cache")
+        if isinstance(capacity_bytes, int) and not isinstance(capacity_bytes, bool) and capacity_bytes > 0:
+            capacity_bytes += LlamaDiskCache.minimum_capacity(directory)
+        cache = LlamaDiskCache(directory, capacity_bytes, **kwargs)
         caches.append(cache)
         return cache
 

@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -56,14 +57,23 @@ def make_cut_state(
     return synthetic_state(tokens, row, rng, fingerprint=fingerprint, logits=last)
 
 
+BLOCK = max(512, os.statvfs(tempfile.gettempdir()).f_frsize)  # the file system's block, where tmp_path lives
+
+
+def on_disk(size: int) -> int:
+    """What a file of ``size`` bytes takes on disk (whole blocks), as the cache charges it."""
+    return -(-size // BLOCK) * BLOCK
+
+
 def disk_size(state: LlamaState, chunk_tokens: int | None = None) -> int:
-    """Bytes a state takes in an empty disk cache: its payload, or its chain head and chunks."""
+    """Bytes a state's files take in an empty disk cache (whole blocks): its payload, or its chain head
+    and chunks."""
     if state.layout is None:
-        return encoded_size(encode(state))
+        return on_disk(encoded_size(encode(state)))
     size = chunk_tokens or default_chunk_tokens(state.layout)
     chain = pieces(state.fingerprint, state.tokens, size)
-    return encoded_size(encode_head(state, size)) + sum(
-        encoded_size(encode_chunk(state.fingerprint, piece, state.layout, state.segments)) for piece in chain
+    return on_disk(encoded_size(encode_head(state, size))) + sum(
+        on_disk(encoded_size(encode_chunk(state.fingerprint, piece, state.layout, state.segments))) for piece in chain
     )
 
 
@@ -518,9 +528,11 @@ def test_writers_killed_at_random_moments_never_corrupt_the_cache(tmp_path: Path
             assert cache.cache_size <= 3_000_000
             report = cache.check(deep=True)
             assert report.index_ok and report.problems == ()
-            assert report.bytes_indexed == cache.cache_size
+            sizes = [entry.size for entry in cache.entries()]  # whole states: no chunks
+            assert report.bytes_indexed == sum(sizes) and cache.cache_size == sum(on_disk(size) for size in sizes)
             cache.check(fix=True, grace_seconds=0)  # orphans of killed writes are the only leftovers
-            assert cache.check(deep=True).ok
+            report = cache.check(deep=True)
+            assert report.ok and report.disk_usage <= 3_000_000  # the orphans were all the budget missed
         finally:
             cache.close()
     assert not [record for record in caplog.records if record.levelno >= logging.WARNING]

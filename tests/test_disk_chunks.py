@@ -27,6 +27,7 @@ from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.state.chunks import encode_chunk, encode_head, pieces
 from llama_cache.state.format import encoded_size
 from llama_cache.state.llama_state import LlamaState
+from tests.test_disk_cache import on_disk
 
 REPO = Path(__file__).resolve().parents[1]
 C = 4  # tokens per chunk in the synthetic tests
@@ -90,6 +91,21 @@ def chunk_bytes(tokens: Sequence[int]) -> int:
     return stored_size(tokens) - encoded_size(encode_head(kv_state(tokens), C))
 
 
+def charged_size(tokens: Sequence[int]) -> int:
+    """What the chain head and chunk files of a state of ``tokens`` take on disk (whole blocks)."""
+    state = kv_state(tokens)
+    assert state.layout is not None
+    return on_disk(encoded_size(encode_head(state, C))) + sum(
+        on_disk(encoded_size(encode_chunk("test", piece, state.layout, state.segments)))
+        for piece in pieces("test", state.tokens, C)
+    )
+
+
+def charged_chunks(tokens: Sequence[int]) -> int:
+    """What the chunk files of a state of ``tokens`` take on disk (its chain head left out)."""
+    return charged_size(tokens) - on_disk(encoded_size(encode_head(kv_state(tokens), C)))
+
+
 def sql(cache: LlamaDiskCache, statement: str, *params: Any) -> list[tuple[Any, ...]]:
     """Run one statement on the cache's index from a connection of its own (as another process would)."""
     conn = sqlite3.connect(cache.cache_dir / disk.INDEX_FILE, isolation_level=None, timeout=30)
@@ -110,12 +126,14 @@ def chunk_ids(cache: LlamaDiskCache) -> set[bytes]:
 
 
 def assert_sound(cache: LlamaDiskCache) -> None:
-    """No leaked chunk, broken chain or orphan; bytes within capacity and equal to the files' sizes;
-    every chunk row linked and named by one file, every file named by one row."""
+    """No leaked chunk, broken chain, orphan or empty folder; bytes equal to the files' sizes in whole
+    blocks, and the directory within capacity as du counts it; every chunk row linked and named by one
+    file, every file named by one row."""
     report = cache.check()
-    assert report.ok, report
+    assert report.ok and report.empty_folders == (), report
     files = data_files(cache)
-    assert cache.cache_size == sum(files.values()) <= cache.capacity_bytes
+    assert cache.cache_size == sum(on_disk(size) for size in files.values())
+    assert report.disk_usage == report.budgeted_bytes <= cache.capacity_bytes
     chunk_files = [row[0] for row in sql(cache, "SELECT file FROM chunks")]
     entry_files = [entry.file for entry in cache.entries()]
     assert sorted(chunk_files + entry_files) == sorted(files)
@@ -165,9 +183,10 @@ def test_a_new_instance_counts_the_chunks_it_finds(open_cache: Any) -> None:
     x, y = branch(1, 2, 3, 4, 5, 6, 7, 8), branch(9, 10, 11, 12)
     first[x] = kv_state(x)
     first[y] = kv_state(y)
-    on_disk = sum(data_files(first).values())
+    files = data_files(first).values()
     second = open_cache()
-    assert second.cache_size == second.stats().bytes == second.storage().unique_bytes == on_disk
+    assert second.cache_size == second.stats().bytes == sum(on_disk(size) for size in files)
+    assert second.storage().unique_bytes == sum(files)
     assert first.storage() == second.storage()
 
 
@@ -290,8 +309,8 @@ def test_overwriting_a_key_frees_the_chunks_of_the_state_it_replaced(open_cache:
 
 def test_lru_eviction_frees_exactly_the_chunks_no_remaining_entry_links(open_cache: Any) -> None:
     branches = [branch(t, t + 1, t + 2, t + 3, t + 4, t + 5, t + 6, t + 7) for t in range(0, 80, 10)]
-    own = stored_size(branches[0]) - chunk_bytes(PREFIX)  # a branch's chain head and its 2 own chunks
-    capacity = stored_size(branches[0]) + 2 * own + own // 2  # the prefix once and three branches
+    own = charged_size(branches[0]) - charged_chunks(PREFIX)  # a branch's chain head and its 2 own chunks
+    capacity = charged_size(branches[0]) + 2 * own + own // 2  # the prefix once and three branches
     cache = open_cache(capacity)
     for tokens in branches[:3]:
         cache[tokens] = kv_state(tokens)
@@ -560,7 +579,7 @@ def test_conversations_sharing_a_system_prompt_store_it_once(llm: Any, tmp_path:
     report = cache.storage()
     files = data_files(cache)
     assert report.entries == len(cache) >= 2 and len(files) == len(cache) + report.chunks
-    assert report.unique_bytes == sum(files.values()) == cache.cache_size
+    assert report.unique_bytes == sum(files.values()) and cache.cache_size == sum(map(on_disk, files.values()))
     # The system prompt's full chunks, once each, whichever conversations and entries link them.
     full = shared // size * size
     assert [row[0] for row in sql(cache, "SELECT start FROM chunks WHERE start < ? ORDER BY start", full)] == list(

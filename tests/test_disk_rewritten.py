@@ -80,7 +80,8 @@ def test_rewriting_every_file_while_the_writer_commits_never_kills_the_process(t
     rng = random.Random(7)
     rewrites = 0
     while child.poll() is None:  # until the child finishes its loop (or dies)
-        for path in list(directory.rglob("*")):
+        # os.walk, not rglob: a shard folder may be removed (emptied) while it is listed.
+        for path in [Path(root, name) for root, _, names in os.walk(directory) for name in names]:
             try:
                 if not path.is_file():
                     continue

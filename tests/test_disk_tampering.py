@@ -794,7 +794,9 @@ _COMPLETING_CHILD = """
 def _vandalize(rng: random.Random, directory: Path) -> str:
     """Rewrite, truncate or delete one file of the directory (the index and its journal included),
     or the whole index or a payload folder; returns what it did."""
-    files = [p for p in directory.rglob("*") if p.is_file() and not p.is_symlink()]
+    # os.walk, not rglob: the cache removes a shard folder when it empties, maybe while it is listed.
+    files = [p for root, _, names in os.walk(directory) for p in map(Path(root).joinpath, names)
+             if p.is_file() and not p.is_symlink()]
     act = rng.choice(["rewrite", "rewrite", "truncate", "truncate", "delete", "delete", "index", "folder"])
     try:
         if act == "index":

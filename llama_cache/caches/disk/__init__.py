@@ -3,11 +3,16 @@
 Layout of ``cache_dir``::
 
     index.sqlite3 (+ -journal)     the index (SQLite, rollback journal): entries, a change log, metadata,
-                                    the models of the namespaces, chunks and links
+                                    the models of the namespaces, chunks and links, folder sizes
     data/ab/ab12...ef.llst          immutable files, optionally zlib-compressed: a payload per
                                     whole-state entry (:mod:`llama_cache.state.format`), a chain
                                     head per chunked entry and one file per KV chunk
-                                    (:mod:`llama_cache.state.chunks`)
+                                    (:mod:`llama_cache.state.chunks`), in shard folders (``ab``)
+                                    removed when their last file goes
+
+**The byte budget** (:mod:`.budget`): ``capacity_bytes`` bounds what the directory takes on disk as
+``du -s`` counts it: the files in whole blocks, the index and the folders. Stores evict least
+recently used entries until it fits; a budget below what an empty cache takes is refused.
 
 **Chunks.** A transformer state is stored as a chain head (tokens, logits, seed, KV layout) and the
 chunks of its KV: ``chunk_tokens`` tokens each, the last one possibly partial, each identified by a
@@ -110,6 +115,7 @@ Modules of the package (each states its own contract):
 - :mod:`.store`: what the façade and the helpers share: the lock, the connection, the view, payload
   reads, touches and deletes, the counters (no helper takes the façade);
 - :mod:`.writes`: the write path: encode, write new files, commit with eviction, unlink what is freed;
+- :mod:`.budget`: the byte budget: what the directory takes as ``du`` counts it, eviction until it fits;
 - :mod:`.view`: the process's in-memory picture of the index, kept in step with the change log;
 - :mod:`.schema`: the SQLite schema and its version, creation and migration, the change-log SQL;
 - :mod:`.rows`: validation of untrusted index rows and the in-memory entry record;

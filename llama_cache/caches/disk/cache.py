@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from llama_cache.caches import lifecycle
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
-from llama_cache.caches.disk import chunked, writes
+from llama_cache.caches.disk import budget, chunked, writes
 from llama_cache.caches.disk.checker import CheckReport, StorageReport, _check, _reclaim_orphans, _storage
 from llama_cache.caches.disk.payloads import _compress_level, _Unreadable
 from llama_cache.caches.disk.rows import (
@@ -76,13 +76,15 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
     prompt shared by many conversations and each turn's history cost their bytes once (see the package
     docstring). :meth:`lookup_prefix` reads only the chunks a query shares.
 
-    Capacity is real bytes on disk (payload, head and chunk files, each counted once however many
-    entries share it; the SQLite index is not charged): ``cache_size`` never exceeds
-    ``capacity_bytes``. Storing evicts least recently used entries until the new one fits; evicting an
-    entry frees the chunks no other entry links. A state that does not fit the whole capacity is not
-    stored (``stats().rejected``). The
-    LRU order and the capacity are shared by every process using the directory (each evicts with the
-    ``capacity_bytes`` it was given). ``len``, ``cache_size`` and ``stats().entries`` cover every
+    ``capacity_bytes`` bounds what the whole directory takes on disk as ``du -s`` counts it
+    (:attr:`disk_usage`): the payload, head and chunk files in whole blocks (each once however many
+    entries share it), the SQLite index and the folders; it holds whenever no store is in progress
+    (see :mod:`~llama_cache.caches.disk.budget` for what a store in progress adds). ``cache_size`` is
+    the files' share of it. Storing evicts least recently used entries until the directory fits;
+    evicting an entry frees the chunks no other entry links, and a shard folder goes with its last
+    file. A state that does not fit the whole capacity is not stored (``stats().rejected``). The LRU
+    order and the capacity are shared by every process using the directory (each evicts with the
+    ``capacity_bytes`` it was given: give them the same). ``len``, ``cache_size`` and ``stats().entries`` cover every
     namespace in the directory; hits, misses, evictions, rejections, writes and store errors are this
     instance's.
 
@@ -98,7 +100,8 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     Args:
         cache_dir: the directory (created if missing).
-        capacity_bytes: the byte budget for payload files (default 2 GiB).
+        capacity_bytes: the byte budget of the whole directory on disk (default 2 GiB), at least
+            :meth:`minimum_capacity` (what an empty cache takes: 76 KiB with 4 KiB blocks).
         verbose: accepted for compatibility with llama-cpp-python; diagnostics go to the
             ``llama_cache`` logger.
         fingerprint: answer lookups only from entries of this model fingerprint (see :meth:`bind`).
@@ -121,7 +124,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             same value: chains of different lengths share no chunks (they are never confused either).
 
     Raises:
-        TypeError, ValueError: a bad argument.
+        TypeError, ValueError: a bad argument (``capacity_bytes`` below :meth:`minimum_capacity` included).
         CacheDirectoryError: ``cache_dir`` cannot hold a cache (not a directory, read-only, an index
             of a newer schema, a damaged index that cannot be moved aside); an :class:`OSError`
             naming the path. A damaged index (not a database, or corrupt) is not an error: it is
@@ -170,6 +173,13 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                 raise TypeError(f"chunk_tokens must be an int or None, got {type(chunk_tokens).__name__}")
             if not 0 <= chunk_tokens <= MAX_CHUNK_FILE_TOKENS:
                 raise ValueError(f"chunk_tokens must be in 0..{MAX_CHUNK_FILE_TOKENS}, got {chunk_tokens}")
+        block = budget.block_size(Path(directory))
+        floor = budget.minimum_capacity(block)
+        if self.capacity_bytes < floor:
+            raise ValueError(
+                f"capacity_bytes must be at least {floor} here, got {self.capacity_bytes}: an empty disk cache "
+                f"takes that much on this file system (its index and folders, in blocks of {block} bytes)"
+            )
         self.cache_dir = Path(directory)
         self.verbose = verbose
         self.write_behind = bool(write_behind)
@@ -177,7 +187,8 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         self.timeout = float(timeout)
         self._namespace = fingerprint
         self._store = DiskStore(self.cache_dir, timeout=self.timeout, fsync=bool(fsync), compress=level,
-                                verify=bool(verify), chunk_tokens=chunk_tokens)
+                                verify=bool(verify), chunk_tokens=chunk_tokens, capacity=self.capacity_bytes,
+                                block=block)
         self._lock = self._store.lock
         self._counters = self._store.counters
         # Write-behind queue of (key, value, namespace, kind).
@@ -187,6 +198,13 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             self._store.open()  # fail early on an unusable directory
         _reclaim_orphans(self._store, ORPHAN_GRACE_SECONDS)
         lifecycle.register(self, stage=lifecycle.BACK)
+
+    @staticmethod
+    def minimum_capacity(cache_dir: str | os.PathLike[str] = ".") -> int:
+        """The smallest ``capacity_bytes`` a cache in ``cache_dir`` accepts: what an empty cache takes on
+        its file system (an empty index, the cache folder, ``data/`` and one shard folder, each in
+        whole blocks). Reads the file system's block size; creates nothing."""
+        return budget.minimum_capacity(budget.block_size(Path(os.fspath(cache_dir))))
 
     # The storage settings live in the store, which the write path and the readers share.
 
@@ -291,11 +309,27 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     @property
     def cache_size(self) -> int:
-        """Bytes of the payload, head and chunk files of the directory, each once (after pending writes)."""
+        """Bytes the payload, head and chunk files of the directory take on disk, each once and in whole
+        blocks of the file system (after pending writes). The index and the folders are not included:
+        :attr:`disk_usage` is the total ``capacity_bytes`` bounds."""
         self._wait_for_writes()
         with self._lock:
             self._store.sync_or_log()
-            return self._store.view.bytes + self._store.chunk_bytes
+            return self._store.view.charged + self._store.chunk_charged
+
+    @property
+    def disk_usage(self) -> int:
+        """What the directory takes on disk as the budget counts it (after pending writes): ``cache_size``
+        plus the index file and the folders, as ``du -s`` would report them (see
+        :mod:`~llama_cache.caches.disk.budget` for what it cannot see). At most ``capacity_bytes``.
+        Costs a few queries and two ``stat`` calls; 0 when the index is unavailable (logged)."""
+        self._wait_for_writes()
+        try:
+            with self._lock:
+                return self._store.usage()
+        except sqlite3.Error as error:
+            logger.warning("disk cache: index unavailable (%s)", error)
+            return 0
 
     def __len__(self) -> int:
         self._wait_for_writes()
@@ -522,7 +556,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                 hits=self._counters.hits,
                 misses=self._counters.misses,
                 entries=len(self._store.view.entries),
-                bytes=self._store.view.bytes + self._store.chunk_bytes,
+                bytes=self._store.view.charged + self._store.chunk_charged,
                 capacity_bytes=self.capacity_bytes,
                 evictions=self._counters.evictions,
                 rejected=self._counters.rejected,
@@ -573,12 +607,14 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         """Reconcile the index with the payload files.
 
         Finds malformed rows (see the module docstring), orphan files (named by no entry), entries whose
-        file is missing, is not a regular file or has another length than recorded, and with ``deep``
-        entries whose payload does not decode (reads every file). With ``fix`` the bad entries and
-        malformed rows are deleted (through the change log, so other processes follow) and orphan files
-        older than ``grace_seconds`` are unlinked: younger ones may belong to a write in progress in
-        another process. Never raises for what the directory holds; an unavailable index is logged and
-        reported as ``index_ok=False``.
+        file is missing, is not a regular file or has another length than recorded, empty shard
+        folders, and with ``deep`` entries whose payload does not decode (reads every file); measures
+        what the directory takes as ``du`` counts it (a walk of the directory) next to what the budget
+        counts. With ``fix`` the bad entries and malformed rows are deleted (through the change log,
+        so other processes follow), orphan files older than ``grace_seconds`` are unlinked (younger
+        ones may belong to a write in progress in another process), empty folders are removed and the
+        folders' sizes measured again. Never raises for what the directory holds; an unavailable index
+        is logged and reported as ``index_ok=False``.
 
         Returns:
             A :class:`CheckReport` of what was found (and removed).

@@ -4,10 +4,12 @@
 lists malformed rows, orphan files (named by no row), rows whose file is missing, is not a regular file
 or has another length than recorded, and (``deep``) rows whose payload does not decode; for chunks,
 chunks no entry links (leaked) and entries linking a chunk that is not stored or whose file is bad. It
-returns a :class:`CheckReport`. With ``fix`` it deletes the bad entries, leaked chunks and malformed
-rows through the change log (so other processes follow) and unlinks orphans older than the grace
-period. :func:`_storage` counts unique and logical bytes. :func:`_reclaim_orphans`
-is the sweep a cache runs when it opens a directory. They work through the cache's
+returns a :class:`CheckReport`, with what the directory takes as ``du`` counts it next to what the
+byte budget counts (:mod:`.budget`). With ``fix`` it deletes the bad entries, leaked chunks and
+malformed rows through the change log (so other processes follow), unlinks orphans older than the
+grace period, removes empty shard folders and measures the folders' sizes again. :func:`_storage`
+counts unique and logical bytes. :func:`_reclaim_orphans` is the sweep a cache runs when it opens a
+directory (orphans, empty folders, the folders' sizes). They work through the cache's
 :class:`~.store.DiskStore` (its lock, connection and in-memory view), and never raise for what the
 directory holds.
 """
@@ -21,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from llama_cache.caches.disk import chunkstore
+from llama_cache.caches.disk import budget, chunkstore
 from llama_cache.caches.disk.chunked import BrokenChain
 from llama_cache.caches.disk.payloads import _Unreadable
 from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int, _model_info_from_row
@@ -57,6 +59,14 @@ class CheckReport:
         leaked_chunks: chunks no entry links (ids in hex): harmless wasted space, freed by ``fix``.
         broken_chains: entries linking a chunk that is not stored, or whose file is missing or of
             another length (``deep``: or does not decode); misses for callers, deleted by ``fix``.
+        empty_folders: shard folders of ``data/`` holding nothing (left by a killed process or an
+            older version; a writer may be about to fill one): removed by ``fix``.
+        disk_usage: what the directory takes on disk as ``du -s`` counts it (``st_blocks * 512`` of
+            the directory and of everything below it, orphans and moved-aside indexes included),
+            measured when the check ended.
+        budgeted_bytes: what the byte budget counts at the same moment (``LlamaDiskCache.disk_usage``):
+            at most ``capacity_bytes``, and equal to ``disk_usage`` but for what the budget cannot see
+            (see :mod:`.budget`).
     """
 
     entries: int
@@ -74,6 +84,9 @@ class CheckReport:
     chunks: int = 0
     leaked_chunks: tuple[str, ...] = ()
     broken_chains: tuple[str, ...] = ()
+    empty_folders: tuple[str, ...] = ()
+    disk_usage: int = 0
+    budgeted_bytes: int = 0
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -213,6 +226,7 @@ def _check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> Che
         corrupt = [m for m in corrupt if m[0] in alive]
         broken = [m for m in broken if m[0] in alive]
     orphans = sorted(file for file in files if file not in named)
+    empty = store.data.empty_folders()
     removed_entries = removed_files = 0
     if fix:
         bad = {i for i, _ in missing + mismatched + corrupt + broken}
@@ -230,11 +244,17 @@ def _check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> Che
                 still_named |= {row[0] for row in store.connection().execute("SELECT file FROM chunks")}
             except sqlite3.Error:
                 still_named |= set(files)  # unknown: remove nothing
-        for file in orphans:
-            if file in still_named or now - files[file][1] < grace_seconds:
-                continue
-            if store.data.unlink(file):
-                removed_files += 1
+        removed_files = store.remove_files(
+            [file for file in orphans if file not in still_named and now - files[file][1] >= grace_seconds]
+        )
+        store.data.remove_folders(empty)
+        store.measure_folders()
+    try:
+        with store.lock:
+            budgeted = store.usage()
+    except sqlite3.Error as error:
+        logger.warning("check: index unavailable: %s", error)
+        budgeted = 0
     return CheckReport(
         entries=len(raw_rows),
         files=len(files),
@@ -247,6 +267,9 @@ def _check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> Che
         chunks=len(chunk_rows),
         leaked_chunks=tuple(ident.hex() for ident in leaked),
         broken_chains=tuple(reason for _, reason in broken),
+        empty_folders=tuple(empty),
+        disk_usage=budget.measure(store.cache_dir),
+        budgeted_bytes=budgeted,
         index_ok=index_ok,
         removed_entries=removed_entries,
         removed_files=removed_files,
@@ -268,8 +291,7 @@ def _release_leaked(store: DiskStore, leaked: list[bytes]) -> None:
         logger.warning("check: could not free leaked chunks: %s", error)
         return
     store.sync_or_log(force=True)
-    for file, _ in freed:
-        store.data.unlink(file)
+    store.remove_files([file for file, _ in freed])
 
 
 def _delete_malformed(store: DiskStore, malformed: list[tuple[str, Any, str]]) -> int:
@@ -299,11 +321,10 @@ def _delete_malformed(store: DiskStore, malformed: list[tuple[str, Any, str]]) -
 
 
 def _reclaim_orphans(store: DiskStore, grace_seconds: float) -> None:
-    """Remove payload files no row names and older than ``grace_seconds`` (a crash's leftovers)."""
+    """Remove payload files no row names and older than ``grace_seconds`` (a crash's leftovers), then
+    the shard folders that are empty, and measure the others' sizes for the byte budget."""
     try:
         files = store.data.list()
-        if not files:
-            return
         with store.lock:
             conn = store.connection()
             named = {row[0] for row in conn.execute("SELECT file FROM entries UNION ALL SELECT file FROM chunks")}
@@ -311,11 +332,13 @@ def _reclaim_orphans(store: DiskStore, grace_seconds: float) -> None:
         logger.warning("disk cache: could not look for orphan files: %s", error)
         return
     now = time.time()
-    removed = 0
-    for file, (size, mtime) in files.items():
-        if file not in named and now - mtime >= grace_seconds and store.data.unlink(file):
-            removed += 1
+    removed = store.remove_files(
+        [file for file, (_, mtime) in files.items() if file not in named and now - mtime >= grace_seconds]
+    )
     if removed:
         logger.info("disk cache: removed %d orphan payload files (left by interrupted writes)", removed)
+    holding = {file.partition("/")[0] for file in files if file in named or now - files[file][1] < grace_seconds}
+    store.data.remove_folders(set(store.data.folder_sizes()) - holding)  # rmdir: only empty ones go
+    store.measure_folders()
 
 # --------------------------------------------------------------------------- index in memory

@@ -47,9 +47,10 @@ if TYPE_CHECKING:
     from llama_cache.caches.disk.store import DiskStore
 
 
-def new_name() -> str:
-    """A fresh payload name (random: two writers never pick the same file)."""
-    return f"{secrets.token_hex(1)}/{secrets.token_hex(16)}{_SUFFIX}"
+def new_name(shards: int = 256) -> str:
+    """A fresh payload name (random: two writers never pick the same file) in one of the first
+    ``shards`` folders (1..256: :func:`.budget.shard_count`)."""
+    return f"{secrets.randbelow(shards):02x}/{secrets.token_hex(16)}{_SUFFIX}"
 
 
 @dataclass(slots=True)
@@ -106,7 +107,7 @@ def write_chunks(store: DiskStore, state: LlamaState, namespace: str, chain: Cha
         for piece in chain.todo:
             parts = encode_chunk(namespace, piece, state.layout, state.segments)
             raw_size = sum(part.nbytes for part in parts)
-            name = new_name()
+            name = new_name(store.shards)
             size = store.data.write(name, parts, store.compress, store.fsync)
             chain.written.append(
                 ChunkRow(piece.id, namespace, piece.prev, piece.start, piece.tokens, name, size, raw_size,
@@ -118,9 +119,8 @@ def write_chunks(store: DiskStore, state: LlamaState, namespace: str, chain: Cha
 
 
 def discard(store: DiskStore, chain: ChainPlan) -> None:
-    """Remove the chunk files written for a store that was not committed."""
-    for chunk in chain.written:
-        store.data.unlink(chunk.file)
+    """Remove the chunk files written for a store that was not committed (and the folders that empties)."""
+    store.remove_files([chunk.file for chunk in chain.written])
     chain.written.clear()
 
 

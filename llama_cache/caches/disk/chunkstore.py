@@ -206,10 +206,14 @@ def chain(conn: sqlite3.Connection, entry_id: int) -> list[ChunkRow]:
     return out
 
 
-def stored_bytes(conn: sqlite3.Connection) -> int:
-    """Bytes of every chunk file the index records (sizes out of bounds are not counted)."""
+def stored_bytes(conn: sqlite3.Connection, block: int) -> tuple[int, int]:
+    """Bytes of every chunk file the index records, and what they take on disk in whole blocks of
+    ``block`` bytes (sizes out of bounds are not counted). One pass over the chunk rows."""
     row = conn.execute(
-        "SELECT COALESCE(SUM(size), 0) FROM chunks WHERE typeof(size) = 'integer' AND size > 0 AND size <= ?",
-        (_BASE_BYTES + MAX_CHUNK_FILE_TOKENS * _BYTES_PER_TOKEN,),
+        "SELECT COALESCE(SUM(size), 0), COALESCE(SUM((size + ? - 1) / ? * ?), 0) FROM chunks "
+        "WHERE typeof(size) = 'integer' AND size > 0 AND size <= ?",
+        (block, block, block, _BASE_BYTES + MAX_CHUNK_FILE_TOKENS * _BYTES_PER_TOKEN),
     ).fetchone()
-    return int(row[0]) if row is not None and _is_int(row[0]) else 0
+    if row is None or not _is_int(row[0]) or not _is_int(row[1]):
+        return 0, 0
+    return int(row[0]), int(row[1])

@@ -1,8 +1,9 @@
 """Opening the disk tier's index so that nothing another process does to its files can fault this one.
 
-The index is an SQLite database in a rollback journal (``journal_mode=TRUNCATE``), opened through the
-``unix-none`` VFS with memory mapping off (``mmap_size=0``): SQLite then reads and writes the files
-with plain system calls and has no shared memory to map, so a file truncated or rewritten by another
+The index is an SQLite database in a rollback journal (``journal_mode=TRUNCATE``; ``auto_vacuum=INCREMENTAL``
+so that it can shrink: :mod:`.budget`), opened through the ``unix-none`` VFS with memory mapping off
+(``mmap_size=0``): SQLite then reads and writes the files with plain system calls and has no shared
+memory to map, so a file truncated or rewritten by another
 process gives errors (``SQLITE_CORRUPT``, ``SQLITE_NOTADB``, ``SQLITE_CANTOPEN`` for a header that says
 WAL), never SIGBUS. ``unix-none`` takes no locks: the processes exclude each other through
 :class:`~.locking.DirectoryLock`, which every caller holds around its use of the connection.
@@ -129,6 +130,9 @@ def connect(db_path: Path, timeout: float, fsync: bool) -> IndexConnection:
             raise sqlite3.OperationalError(f"cannot use a rollback journal (got {mode})")
         conn.execute("PRAGMA locking_mode = NORMAL")
         conn.execute("SELECT count(*) FROM sqlite_master").fetchone()  # ends the exclusive hold
+        # Takes effect when a new index gets its first table (an existing one is converted by the
+        # store: budget.make_shrinkable): free pages can then be given back to keep the byte budget.
+        conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
         # Without fsync a rollback journal needs no sync at all to survive a crash of the process;
         # a power loss may then damage the index, which is moved aside (it is a cache).
         conn.execute(f"PRAGMA synchronous = {'FULL' if fsync else 'OFF'}")

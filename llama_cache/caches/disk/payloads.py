@@ -11,6 +11,12 @@ faults the reader (SIGBUS) when llama.cpp or the checksum touches it; a read onl
 Compressed payloads are inflated to exactly their recorded size, never more. New payloads are created
 with ``O_EXCL`` and removed again if writing them fails. POSIX only (``dir_fd``).
 
+**Shard folders come and go.** A folder is made by the first write into it and removed (``rmdir``,
+which only ever removes an empty folder) when a removal takes its last file away, so none is left
+behind empty. Another process may remove a folder between this one making or opening it and creating
+a file in it: the kernel then refuses the creation (``ENOENT``) and :meth:`_DataDir.create` makes the
+folder again and retries, so a writer never loses a race with a remover.
+
 A payload that cannot be read as its row says raises :class:`_Unreadable`, which callers turn into a
 miss. Thread-safe: nothing here holds state beyond the folder's path.
 """
@@ -23,7 +29,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,10 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIR = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_NOFOLLOW | _O_CLOEXEC
 _O_READ = os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
+_O_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+_CREATE_ATTEMPTS = 8  # folders removed under a writer before it gives up (each retry needs a new race)
+# rmdir failures that mean "not removable now": not empty, gone, or not a folder (a link put there).
+_KEEP_FOLDER = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR, errno.EBUSY)
 
 
 class _Unreadable(Exception):
@@ -102,8 +112,14 @@ class _DataDir:
     def __init__(self, path: Path) -> None:
         self.path = path
 
-    @contextmanager
-    def _subdir(self, subdir: str, create: bool = False) -> Iterator[int]:
+    def _open_subdir(self, subdir: str, create: bool = False) -> int:
+        """A descriptor of a shard folder (made first with ``create``); the caller closes it.
+
+        Raises:
+            ValueError: not a shard folder name.
+            FileNotFoundError: it does not exist (or was removed right after being made).
+            OSError: it cannot be opened (a link, a file...).
+        """
         if not _SUBDIR_NAME.fullmatch(subdir):
             raise ValueError(f"not a payload folder name: {subdir!r}")
         data_fd = os.open(self.path, _O_DIR)
@@ -113,9 +129,13 @@ class _DataDir:
                     os.mkdir(subdir, 0o755, dir_fd=data_fd)
                 except FileExistsError:
                     pass
-            fd = os.open(subdir, _O_DIR, dir_fd=data_fd)
+            return os.open(subdir, _O_DIR, dir_fd=data_fd)
         finally:
             os.close(data_fd)
+
+    @contextmanager
+    def _subdir(self, subdir: str) -> Iterator[int]:
+        fd = self._open_subdir(subdir)
         try:
             yield fd
         finally:
@@ -155,19 +175,47 @@ class _DataDir:
 
     @contextmanager
     def create(self, name: str) -> Iterator[tuple[int, int]]:
-        """Create a new payload (it must not exist); yield its descriptor and its folder's."""
+        """Create a new payload (it must not exist); yield its descriptor and its folder's.
+
+        Its folder is made if needed, again if another process removes it meanwhile (see the module
+        docstring). On an exception the file is removed, and its folder too if that left it empty.
+        """
         subdir, base = self._split(name)
         os.makedirs(self.path, exist_ok=True)
-        with self._subdir(subdir, create=True) as dir_fd:
-            fd = os.open(base, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644,
-                         dir_fd=dir_fd)
+        dir_fd, fd = self._create_in(subdir, base)
+        try:
             try:
                 yield fd, dir_fd
             except BaseException:
                 os.close(fd)
+                fd = -1
                 _unlink_at(dir_fd, base, name)
+                self.remove_folders([subdir])
                 raise
-            os.close(fd)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            os.close(dir_fd)
+
+    def _create_in(self, subdir: str, base: str) -> tuple[int, int]:
+        """Make ``subdir`` if needed and create ``base`` in it; return the folder's and the file's descriptors."""
+        for attempt in range(_CREATE_ATTEMPTS):
+            try:
+                dir_fd = self._open_subdir(subdir, create=True)
+            except FileNotFoundError:  # removed between the mkdir and the open
+                if attempt == _CREATE_ATTEMPTS - 1:
+                    raise
+                continue
+            try:
+                return dir_fd, os.open(base, _O_CREATE, 0o644, dir_fd=dir_fd)
+            except FileNotFoundError:  # the folder was removed once open: make it again
+                os.close(dir_fd)
+                if attempt == _CREATE_ATTEMPTS - 1:
+                    raise
+            except BaseException:
+                os.close(dir_fd)
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def read(self, name: str, size: int, codec: str, raw_size: int) -> Any:
         """Read a payload as its row describes it: copied when raw, inflated when compressed.
@@ -237,17 +285,103 @@ class _DataDir:
                 os.fsync(dir_fd)
         return size
 
-    def unlink(self, name: str) -> bool:
-        """Remove a payload (never following a link, never outside the folder). Errors are logged."""
+    def unlink(self, names: Iterable[str]) -> tuple[int, set[str]]:
+        """Remove payloads (never following a link, never outside the folder), then each folder that
+        this left empty. Errors are logged. Costs a system call per file and one per folder.
+
+        Returns:
+            How many files were removed, and the names of the folders removed.
+        """
+        by_folder: dict[str, list[str]] = {}
+        for name in names:
+            try:
+                subdir, base = self._split(name)
+            except ValueError as error:
+                logger.warning("disk cache: could not remove %s: %s", name, error)
+                continue
+            by_folder.setdefault(subdir, []).append(base)
+        removed = 0
+        for subdir, bases in by_folder.items():
+            try:
+                with self._subdir(subdir) as dir_fd:
+                    removed += sum(_unlink_at(dir_fd, base, f"{subdir}/{base}") for base in bases)
+            except FileNotFoundError:
+                continue
+            except OSError as error:
+                logger.warning("disk cache: could not remove files of %s: %s", subdir, error)
+                continue
+        return removed, self.remove_folders(by_folder)
+
+    def remove_folders(self, subdirs: Iterable[str]) -> set[str]:
+        """Remove those of these shard folders that are empty (``rmdir``: never a folder holding
+        anything, never through a link). Errors other than "not empty" or "gone" are logged.
+
+        Returns:
+            The names of the folders removed.
+        """
+        gone: set[str] = set()
+        wanted = [subdir for subdir in subdirs if _SUBDIR_NAME.fullmatch(subdir)]
+        if not wanted:
+            return gone
         try:
-            subdir, base = self._split(name)
-            with self._subdir(subdir) as dir_fd:
-                return _unlink_at(dir_fd, base, name)
-        except FileNotFoundError:
-            return False
-        except (OSError, ValueError) as error:
-            logger.warning("disk cache: could not remove %s: %s", name, error)
-            return False
+            data_fd = os.open(self.path, _O_DIR)
+        except OSError:
+            return gone
+        try:
+            for subdir in wanted:
+                try:
+                    os.rmdir(subdir, dir_fd=data_fd)
+                except OSError as error:
+                    if error.errno not in _KEEP_FOLDER:
+                        logger.warning("disk cache: could not remove the folder %s: %s", subdir, error)
+                    continue
+                gone.add(subdir)
+        finally:
+            os.close(data_fd)
+        return gone
+
+    def empty_folders(self) -> list[str]:
+        """The shard folders holding nothing at all (a listing of each folder: for ``check``)."""
+        empty = []
+        for subdir in sorted(self.folder_sizes()):
+            try:
+                with self._subdir(subdir) as dir_fd, os.scandir(dir_fd) as children:
+                    if next(children, None) is None:
+                        empty.append(subdir)
+            except OSError:  # gone meanwhile, or not a folder any more
+                continue
+        return empty
+
+    def folder_sizes(self, subdirs: Iterable[str] | None = None) -> dict[str, int]:
+        """Bytes on disk (``st_blocks * 512``, as ``du`` counts) of shard folders: those named, or all.
+
+        A name that is not a folder (missing, a link, a file) is left out. One system call per folder
+        (plus a listing of ``data/`` when ``subdirs`` is None); nothing is followed.
+        """
+        found: dict[str, int] = {}
+        try:
+            data_fd = os.open(self.path, _O_DIR)
+        except OSError:
+            return found
+        try:
+            if subdirs is None:
+                try:
+                    subdirs = [entry.name for entry in os.scandir(data_fd)]
+                except OSError as error:
+                    logger.warning("disk cache: cannot list %s: %s", self.path, error)
+                    return found
+            for subdir in subdirs:
+                if not _SUBDIR_NAME.fullmatch(subdir):
+                    continue
+                try:
+                    info = os.stat(subdir, dir_fd=data_fd, follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISDIR(info.st_mode):
+                    found[subdir] = info.st_blocks * 512
+        finally:
+            os.close(data_fd)
+        return found
 
     def list(self) -> dict[str, tuple[int, float]]:
         """Payload-named entries under the folder: name -> (size, mtime). Links and folders included

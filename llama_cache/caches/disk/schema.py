@@ -1,10 +1,11 @@
 """The disk tier's index: its SQLite schema, its version, creation and migration, and the change log.
 
-The index (``INDEX_FILE`` in the cache directory, a rollback journal: :mod:`.connection`) holds six
+The index (``INDEX_FILE`` in the cache directory, a rollback journal: :mod:`.connection`) holds seven
 tables: ``entries`` (one row per entry), ``changes`` (the change log every process replays, see the package docstring), ``meta`` (the
 log's trim point, ``floor``), ``models`` (descriptions of the namespaces' models), ``chunks`` (one row
-per stored KV chunk) and ``links`` (which chunks each chunked entry uses, in order: a chunk's
-reference count is its number of links). This module owns
+per stored KV chunk), ``links`` (which chunks each chunked entry uses, in order: a chunk's
+reference count is its number of links) and ``folders`` (the measured sizes of the shard folders,
+which the byte budget charges: :mod:`.budget`). This module owns
 their definition and the SQL shared by the cache and the checker; it holds no state. Nothing read from
 the index is trusted here: rows are validated by :mod:`.rows`.
 
@@ -91,8 +92,13 @@ _SCHEMA = (
         PRIMARY KEY (entry_id, pos)
     ) WITHOUT ROWID""",
     "CREATE INDEX IF NOT EXISTS links_chunk ON links (chunk)",
+    # Added within version 3 (an index without it gets it when opened; older code ignores it).
+    """CREATE TABLE IF NOT EXISTS folders (
+        name TEXT PRIMARY KEY,       -- a shard folder of data/ (two hex digits)
+        bytes INTEGER NOT NULL       -- its size on disk (st_blocks * 512) when last measured
+    ) WITHOUT ROWID""",
 )
-_TABLES = ("entries", "changes", "meta", "models", "chunks", "links")
+_TABLES = ("entries", "changes", "meta", "models", "chunks", "links", "folders")
 _ROW = "id, namespace, key, kind, cut, logits, n_state, file, size, raw_size, codec, recency"
 
 # Changes newer than a seq, with what replaying them needs. Adds and touches join their entry: an
@@ -151,6 +157,7 @@ def _schema_ok(conn: sqlite3.Connection) -> bool:
         "models": ["fingerprint", "info"],
         "chunks": ["id", "namespace", "prev", "start", "tokens", "file", "size", "raw_size", "codec"],
         "links": ["entry_id", "pos", "chunk"],
+        "folders": ["name", "bytes"],
     }
     for table, columns in expected.items():
         found = [row[1] for row in conn.execute(f"PRAGMA table_info({table})")]

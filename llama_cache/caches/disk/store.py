@@ -7,8 +7,9 @@ SQLite connection (opened without shared memory by :mod:`.connection`, reopened 
 another process replaced or removed the index, and after moving a damaged index aside), the in-memory
 :class:`~.view._IndexView` kept in step with the change log (:meth:`DiskStore.sync`), reading and
 checking payloads against their rows (:meth:`DiskStore.load`), touches and deletes through the change
-log, the instance's counters and the storage settings (``compress``, ``fsync``, ``verify``,
-``chunk_tokens``, which the façade's attributes of the same names read and set).
+log, removing files (and the shard folders that leaves empty: :meth:`DiskStore.remove_files`), the
+instance's counters and the storage settings (``compress``, ``fsync``, ``verify``, ``chunk_tokens``,
+which the façade's attributes of the same names read and set) and its byte budget (:mod:`.budget`).
 
 Thread-safety: methods marked "Lock held" need ``with store.lock``; the others take it themselves.
 """
@@ -27,7 +28,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.caches.disk import chunked, chunkstore
+from llama_cache.caches.disk import budget, chunked, chunkstore
 from llama_cache.caches.disk.connection import IndexConnection, connect, file_identity, is_damage, move_aside
 from llama_cache.caches.disk.locking import DirectoryLock
 from llama_cache.caches.disk.payloads import DATA_DIR, _DataDir, _Unreadable
@@ -74,11 +75,13 @@ class DiskStore:
         cache_dir: the directory (created when opened).
         timeout: seconds to wait for another process's use of the index.
         fsync, compress, verify, chunk_tokens: the storage settings (validated by the façade).
+        capacity: the byte budget (validated by the façade), which lookups that grow the index keep too.
+        block: the file system's block (:func:`.budget.block_size`).
     """
 
     def __init__(
         self, cache_dir: Path, *, timeout: float, fsync: bool, compress: int | None, verify: bool,
-        chunk_tokens: int | None,
+        chunk_tokens: int | None, capacity: int, block: int,
     ) -> None:
         self.cache_dir = cache_dir
         self.timeout = timeout
@@ -86,12 +89,16 @@ class DiskStore:
         self.compress = compress
         self.verify = verify
         self.chunk_tokens = chunk_tokens
+        self.capacity = capacity
+        self.block = block
+        self.shards = budget.shard_count(capacity, block)  # folders new files are spread over
         self.data_dir = cache_dir / DATA_DIR
         self.data = _DataDir(self.data_dir)
         self.db_path = cache_dir / INDEX_FILE
         self.lock = DirectoryLock(cache_dir, timeout)
-        self.view = _IndexView(self.log_bad_row)
-        self.chunk_bytes = 0  # bytes of the chunk files, as of the last sync
+        self.view = _IndexView(self.log_bad_row, block)
+        # The chunk files, as of the last sync: their bytes, and in whole blocks.
+        self.chunk_bytes = self.chunk_charged = 0
         self.counters = Counters()
         # Per-process state (reset after fork): the connection and what it has replayed.
         self._pid = os.getpid()
@@ -148,12 +155,12 @@ class DiskStore:
         self._data_version = version
         if conn.in_transaction:
             self.view.replay(conn)
-            self.chunk_bytes = chunkstore.stored_bytes(conn)
+            self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
             return
         conn.execute("BEGIN")
         try:
             self.view.replay(conn)
-            self.chunk_bytes = chunkstore.stored_bytes(conn)
+            self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
         finally:
             conn.execute("COMMIT")
 
@@ -259,10 +266,17 @@ class DiskStore:
     def _prepare(self, conn: IndexConnection) -> None:
         with _transaction(conn):
             _create_schema(conn, self.db_path)
+        try:
+            if budget.make_shrinkable(conn):
+                logger.info("disk cache: converted %s to incremental auto-vacuum (it can shrink now)", self.db_path)
+        except sqlite3.Error as error:
+            if is_damage(error):
+                raise
+            logger.warning("disk cache: could not convert %s to incremental auto-vacuum: %s", self.db_path, error)
         conn.execute("BEGIN")
         try:
             self.view.rebuild(conn)
-            self.chunk_bytes = chunkstore.stored_bytes(conn)
+            self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
         finally:
             conn.execute("COMMIT")
         self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
@@ -359,10 +373,15 @@ class DiskStore:
             self.delete(victims)
 
     def touch(self, entry_id: int, hit: bool = True) -> None:
-        """Make an entry the most recently used, for every process. Lock held; errors are logged."""
+        """Make an entry the most recently used, for every process. Lock held; errors are logged.
+
+        Should the change log's row take the index over the budget (a new page), least recently used
+        entries are evicted in the same transaction.
+        """
         conn = self.connection()
         try:
             with _transaction(conn):
+                before = budget.index_pages(conn)
                 cursor = conn.execute(
                     "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?",
                     (_TOUCH, entry_id),
@@ -372,13 +391,18 @@ class DiskStore:
                         "UPDATE entries SET recency = ?, accessed = ?, hits = hits + ? WHERE id = ?",
                         (cursor.lastrowid, time.time(), 1 if hit else 0, entry_id),
                     )
+                evicted, freed = self._fit_grown_index(conn, before, {entry_id})
         except sqlite3.Error as error:
             logger.warning("disk cache: could not record a hit: %s", error)
             return
         self.sync_or_log(force=True)
+        self.remove_files([victim.file for victim in evicted] + [file for file, _ in freed])
 
     def delete(self, victims: list[_Entry]) -> list[_Entry]:
         """Delete entries in one transaction, then unlink their files. Lock held; errors are logged.
+
+        Should logging the deletes take the index over the budget, least recently used entries are
+        evicted too (not returned; counted as evictions).
 
         Returns:
             The entries deleted.
@@ -388,15 +412,84 @@ class DiskStore:
         try:
             conn = self.connection()
             with _transaction(conn):
+                before = budget.index_pages(conn)
                 deleted, linked = _delete_rows(conn, victims)
                 freed = chunkstore.release(conn, linked)
+                evicted, also_freed = self._fit_grown_index(conn, before, {victim.id for victim in victims})
         except sqlite3.Error as error:
             logger.warning("disk cache: could not delete %d entries: %s", len(victims), error)
             return []
         self.sync_or_log(force=True)
-        for file in [victim.file for victim in deleted] + [file for file, _ in freed]:
-            self.data.unlink(file)
+        self.remove_files([entry.file for entry in deleted + evicted] + [file for file, _ in freed + also_freed])
         return deleted
+
+    def _fit_grown_index(
+        self, conn: sqlite3.Connection, before: int, keep: set[int]
+    ) -> tuple[list[_Entry], list[tuple[str, int]]]:
+        """In a write transaction that may have grown the index past ``before`` pages: evict least
+        recently used entries (not in ``keep``) until the directory fits the budget again. Lock held.
+
+        Costs one pragma when the index did not grow.
+        """
+        if budget.index_pages(conn) <= before:
+            return [], []
+        self.sync(force=True)  # in the transaction: the view is the index as this transaction leaves it
+        evicted, freed, _ = budget.evict_to_fit(self, conn, self.capacity, budget.files_bytes(self, conn), keep)
+        self.counters.evictions += len(evicted)
+        return evicted, freed
+
+    # ------------------------------------------------------------------------------------ files
+
+    def remove_files(self, names: list[str]) -> int:
+        """Unlink files no committed row names, remove the shard folders this leaves empty and drop
+        their recorded sizes. Errors are logged. The lock is taken only when a folder went.
+
+        Returns:
+            How many files were removed.
+        """
+        if not names:
+            return 0
+        removed, folders = self.data.unlink(names)
+        if folders:
+            self.forget_folders(folders)
+        return removed
+
+    def forget_folders(self, folders: set[str]) -> None:
+        """Drop the recorded sizes of removed shard folders (one made again since is measured
+        instead). Takes the lock; errors are logged."""
+        with self.lock:
+            try:
+                conn = self.connection()
+                with _transaction(conn):
+                    still = self.data.folder_sizes(folders)
+                    budget.record_folders(conn, still, gone=folders - still.keys())
+            except sqlite3.Error as error:
+                logger.warning("disk cache: could not record removed folders: %s", error)
+
+    def measure_folders(self) -> None:
+        """Measure every shard folder again and record exactly those sizes (at open, ``check(fix=True)``):
+        what removals by killed processes or older versions left unrecorded. Takes the lock; one ``stat``
+        per folder; errors are logged."""
+        with self.lock:
+            try:
+                conn = self.connection()
+                with _transaction(conn):
+                    budget.replace_folders(conn, self.data.folder_sizes())
+            except sqlite3.Error as error:
+                logger.warning("disk cache: could not measure the folders: %s", error)
+
+    def usage(self) -> int:
+        """What the directory takes as the budget counts it (:mod:`.budget`), after a sync. Lock held.
+
+        Raises:
+            sqlite3.Error: the index is unavailable.
+        """
+        self.sync()
+        conn = self.connection()
+        return (
+            self.view.charged + self.chunk_charged + budget.index_bytes(conn, self.block, self.db_path)
+            + budget.top_bytes(self) + budget.folder_bytes(conn)
+        )
 
     def valid_rows(self, order: str = "recency") -> list[tuple[_Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:
         """Every valid row of the entries table with its extra columns (created, accessed, hits). Lock held."""

@@ -1,7 +1,8 @@
 """This process's picture of a disk cache's index: the entries, their keys, LRU order and bytes.
 
 :class:`_IndexView` holds one :class:`~llama_cache.index.RadixIndex` per (namespace, cut) pair, the
-entries by id, their LRU order and the sum of their sizes, as of change-log row ``last_seq``. It is kept
+entries by id, their LRU order and the sum of their sizes (exact, and in whole blocks as the byte budget
+charges them: :mod:`.budget`), as of change-log row ``last_seq``. It is kept
 equal to the index by :meth:`_IndexView.replay` (the rows of the ``changes`` table past ``last_seq``)
 or, when the log was trimmed past it or does not agree with the entries, :meth:`_IndexView.rebuild`
 (from the ``entries`` table). Lookups (:meth:`_IndexView.best`, :meth:`_IndexView.exact`) never touch
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from llama_cache.caches.disk.budget import charge
 from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int, _tokens
 from llama_cache.caches.disk.schema import _ADD, _DELETE, _REPLAY, _ROW, _TOUCH, _floor
 from llama_cache.index import Match, RadixIndex
@@ -35,15 +37,22 @@ class _IndexView:
 
     Args:
         log_bad_row: called with (table, rowid, reason) for each row that does not validate.
+        block: the file system's block: ``charged`` counts each file in whole blocks of it.
     """
 
-    def __init__(self, log_bad_row: Callable[[str, Any, str], None]) -> None:
+    def __init__(self, log_bad_row: Callable[[str, Any, str], None], block: int = 1) -> None:
         self.indexes: dict[tuple[str, bool], RadixIndex[_Entry]] = {}
         self.entries: dict[int, _Entry] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # entry ids, least recently used first
-        self.bytes = 0
+        self.bytes = 0  # the entries' file sizes
+        self.charged = 0  # the same in whole blocks
+        self.block = block
         self.last_seq = 0  # the last change-log row applied
         self._log_bad_row = log_bad_row
+
+    def _count(self, entry: _Entry, sign: int) -> None:
+        self.bytes += sign * entry.size
+        self.charged += sign * charge(entry.size, self.block)
 
     def best(self, query: npt.NDArray[np.int32], namespace: str | None) -> Match[_Entry] | None:
         """The match answering ``query`` from ``namespace`` (None: any), most recent on ties."""
@@ -115,7 +124,7 @@ class _IndexView:
                         raise _BadRow(f"the delete of entry {entry_id} names another key")
                     self.entries.pop(entry_id)
                     del self.lru[entry_id]
-                    self.bytes -= entry.size
+                    self._count(entry, -1)
                     index.remove(tokens)
                     if not len(index):
                         del self.indexes[(entry.namespace, entry.cut)]
@@ -136,10 +145,10 @@ class _IndexView:
         if old is not None and old is not entry:  # deletes precede re-adds, unless rows were forged
             self.entries.pop(old.id, None)
             self.lru.pop(old.id, None)
-            self.bytes -= old.size
+            self._count(old, -1)
         self.entries[entry.id] = entry
         self.lru[entry.id] = None
-        self.bytes += entry.size
+        self._count(entry, 1)
 
     def drop(self, entry: _Entry, tokens: npt.NDArray[np.int32]) -> None:
         """Remove an entry held under ``tokens``."""
@@ -149,14 +158,14 @@ class _IndexView:
             del self.indexes[(entry.namespace, entry.cut)]
         self.entries.pop(entry.id, None)
         self.lru.pop(entry.id, None)
-        self.bytes -= entry.size
+        self._count(entry, -1)
 
     def rebuild(self, conn: sqlite3.Connection) -> None:
         """Rebuild the in-memory index from the entries table (in the caller's read transaction)."""
         self.indexes = {}
         self.entries = {}
         self.lru = OrderedDict()
-        self.bytes = 0
+        self.bytes = self.charged = 0
         row = conn.execute("SELECT max(seq) FROM changes").fetchone()
         self.last_seq = row[0] if row and _is_int(row[0]) else 0
         floor = _floor(conn)

@@ -3,10 +3,12 @@
 :func:`store_state` stores one state into a :class:`~.store.DiskStore` under a byte ``capacity``: a
 state already held with the same tokens is only touched; otherwise its payload (or its chain head and
 the chunks the index does not hold yet, :mod:`.chunked`) goes to new files, then :func:`_commit`
-replaces the same key, evicts least recently used entries until the unique bytes fit, links the
-chunks and frees those nothing links, in one transaction, and unlinks the files nothing names only
-after it (the package docstring's write protocol). A state that does not fit the whole capacity is
-rejected (counted), and the entry it would replace dropped.
+replaces the same key, links the chunks and frees those nothing links, records the sizes of the
+folders it wrote into and evicts least recently used entries until the directory fits (as
+:mod:`.budget` counts it: files in whole blocks, the index, the folders), in one transaction, and
+unlinks the files nothing names only after it (the package docstring's write protocol), removing the
+folders that leaves empty. A state that does not fit the whole capacity is rejected (counted), and the
+entry it would replace dropped.
 
 Functions here hold no state; they take the store's lock around each index step.
 """
@@ -22,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.caches.disk import chunked, chunkstore
+from llama_cache.caches.disk import budget, chunked, chunkstore
 from llama_cache.caches.disk.rows import _is_int, _key_blob, _key_hash, _state_cap
 from llama_cache.caches.disk.schema import _ADD, _DELETE, _delete_rows, _maybe_trim, _transaction
 from llama_cache.caches.disk.store import DiskStore
@@ -94,14 +96,14 @@ def store_state(
     if store.compress is None and raw_size > capacity:
         _reject(store, capacity, namespace, tokens, raw_size)
         return
-    name = chunked.new_name()
+    name = chunked.new_name(store.shards)
     try:
         size = store.data.write(name, parts, store.compress, store.fsync)
     except OSError as error:
         _write_failed(store, error, raw_size)
         return
     if size > capacity:
-        store.data.unlink(name)
+        store.remove_files([name])
         _reject(store, capacity, namespace, tokens, size)
         return
     row = (kind, int(cut), int(has_logits()), n_state)
@@ -139,7 +141,7 @@ def _store_chunked(
             return
         head = encode_head(state, chain.chunk_tokens)
         raw_size = encoded_size(head)
-        name = chunked.new_name()
+        name = chunked.new_name(store.shards)
         try:
             chunked.write_chunks(store, state, namespace, chain)
             size = store.data.write(name, head, store.compress, store.fsync)
@@ -156,8 +158,8 @@ def _commit(
     store: DiskStore, capacity: int, namespace: str, tokens: npt.NDArray[np.int32], name: str, size: int, raw_size: int,
     row: tuple[int, int, int, int], chain: chunked.ChainPlan | None = None,
 ) -> bool:
-    """Commit a written payload (and chunks): replace the same key, evict LRU entries, then unlink
-    the files nothing names any more.
+    """Commit a written payload (and chunks): replace the same key, evict LRU entries until the
+    directory fits ``capacity``, then unlink the files nothing names any more.
 
     Returns:
         False when a chunk ``chain`` counted on is gone (nothing committed, the files written are
@@ -214,32 +216,31 @@ def _commit(
                 if chain is not None:
                     chunkstore.link(conn, entry_id, chain.ids)
                 freed += chunkstore.release(conn, unlinked)
-                # Evict least recently used entries until the unique bytes fit.
-                total = store.view.bytes - (old.size if old is not None else 0) + size
-                total += chunkstore.stored_bytes(conn)
-                evicted = 0
-                for victim_id in store.view.lru:
-                    if total <= capacity:
-                        break
-                    entry = store.view.entries[victim_id]
-                    if entry is old:
-                        continue
-                    gone, linked = _delete_rows(conn, [entry])
-                    released = chunkstore.release(conn, linked)
-                    freed += released
-                    victims += gone
-                    total -= entry.size + sum(nbytes for _, nbytes in released)
-                    evicted += 1
-                if total > capacity:
-                    raise _TooBig
                 seq = conn.execute(
                     "INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_ADD, entry_id)
                 ).lastrowid
                 assert seq is not None
                 conn.execute("UPDATE entries SET recency = ? WHERE id = ?", (seq, entry_id))
                 _maybe_trim(conn, seq)
+                # The folders this store wrote into, as they are now (they may have grown).
+                files_written = [name] + ([chunk.file for chunk in chain.written] if chain is not None else [])
+                written = {file.partition("/")[0] for file in files_written}
+                sizes = store.data.folder_sizes(written)
+                budget.record_folders(conn, sizes, gone=written - sizes.keys())
+                # Evict least recently used entries until the directory fits.
+                block = store.block
+                files = store.view.charged - (budget.charge(old.size, block) if old is not None else 0)
+                files += budget.charge(size, block) + chunkstore.stored_bytes(conn, block)[1]
+                gone, released, fits = budget.evict_to_fit(
+                    store, conn, capacity, files, {old.id} if old is not None else set()
+                )
+                if not fits:
+                    raise _TooBig
+                victims += gone
+                freed += released
+                evicted = len(gone)
         except (_ChunkGone, _TooBig, sqlite3.Error) as error:
-            store.data.unlink(name)
+            store.remove_files([name])
             if chain is not None:
                 chunked.discard(store, chain)
             if isinstance(error, _ChunkGone):
@@ -255,8 +256,7 @@ def _commit(
         store.counters.writes += 1
         store.sync_or_log(force=True)  # committed; on failure the next operation catches up
     # Only now that no committed row names them.
-    for file in [victim.file for victim in victims] + [file for file, _ in freed] + unused:
-        store.data.unlink(file)
+    store.remove_files([victim.file for victim in victims] + [file for file, _ in freed] + unused)
     return True
 
 
