@@ -55,7 +55,7 @@ from llama_cache.server.access import access_middleware, key_id, request_key_dig
 from llama_cache.server.config import ServerConfig
 from llama_cache.server.constraints import ConstraintError, SequenceConstraint
 from llama_cache.server.metrics import ServerMetrics
-from llama_cache.server.errors import ApiError
+from llama_cache.server.errors import RETRY_AFTER_SECONDS, ApiError
 from llama_cache.server.limits import check_json_values
 from llama_cache.server.protocol import (
     ChatRequest,
@@ -90,7 +90,6 @@ __all__ = ["DrainingServer", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-RETRY_AFTER_SECONDS = 1
 DRAIN_MARGIN = 2.0
 """Seconds before uvicorn's shutdown timeout at which a drain answers what is left (see ``_Server.drain``)."""
 # What uvicorn logs for a request whose client went away; recorded in the metrics only.

@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from llama_cache.server.errors import ApiError
+from llama_cache.server.errors import RETRY_AFTER_SECONDS, ApiError
 
 __all__ = ["CLOSE_LINGER", "TLS_SHUTDOWN_TIMEOUT", "GuardedProtocol", "guarded_protocol", "listening_sockets",
            "raise_open_file_limit", "tls_context"]
@@ -61,7 +61,6 @@ TLS_SHUTDOWN_TIMEOUT = 10.0
 """Seconds a TLS close waits for the peer's ``close_notify`` when bytes were still unsent (asyncio: 30)."""
 OPEN_FILES_RESERVE = 128
 """File descriptors kept, beyond one per connection, for the model, the cache files and the rest."""
-RETRY_AFTER_SECONDS = 1
 _REFUSAL_LOG_INTERVAL = 60.0
 _FLUSH_POLL = 0.05
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ApiError"]
+__all__ = ["RETRY_AFTER_SECONDS", "ApiError"]
+
+RETRY_AFTER_SECONDS = 1
+"""What ``Retry-After`` tells a client refused for a full queue, too many connections or a drain."""
 
 
 class ApiError(Exception):
