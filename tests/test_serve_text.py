@@ -5,6 +5,7 @@ One in-process server on the real model (two contexts of 1,024 tokens).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Iterator
@@ -179,3 +180,12 @@ def test_utility_requests_wait_on_a_lane_of_their_own_with_a_bounded_backlog(
             if poster.is_alive() or poster.ident is not None:
                 poster.join(timeout=120)
     assert statuses == [200] * 5
+
+
+def test_the_utility_lane_runs_at_the_lowest_cpu_priority(server: LiveServer) -> None:
+    import os
+    import threading
+
+    lane = server.app.state.server.utilities
+    nice = asyncio.run(lane.run(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    assert nice == 19

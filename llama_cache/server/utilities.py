@@ -5,7 +5,10 @@ requests there would leave them waiting for a thread. :class:`UtilityLane` runs 
 threads, one at a time per thread, and refuses work past a bounded backlog (:class:`UtilityBusy`, a 503)
 instead of queueing without end. Each request's own cost is bounded before it gets here (a text that
 cannot fit the context, a token list longer than the context: 400), so one request takes at most about
-what tokenizing a whole context takes.
+what tokenizing a whole context takes. Its threads run at the lowest CPU priority (``nice`` 19, where
+the system allows it): on a machine whose cores the model's threads use, utility work takes the time
+they leave, rather than a core from under llama.cpp's thread pool, whose threads wait on each other
+at every step.
 
 Thread-safety: :meth:`UtilityLane.run` is called from one event loop's thread.
 """
@@ -13,6 +16,8 @@ Thread-safety: :meth:`UtilityLane.run` is called from one event loop's thread.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -20,6 +25,14 @@ from typing import TypeVar
 __all__ = ["UtilityBusy", "UtilityLane"]
 
 _T = TypeVar("_T")
+
+
+def _lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: a thread's own nice value)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
 
 
 class UtilityBusy(Exception):
@@ -37,7 +50,8 @@ class UtilityLane:
     def __init__(self, threads: int = 1, max_waiting: int = 64) -> None:
         if threads < 1 or max_waiting < 0:
             raise ValueError(f"a utility lane needs a thread and a backlog >= 0, got {threads} and {max_waiting}")
-        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llama-cache-utility")
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="llama-cache-utility",
+                                            initializer=_lowest_priority)
         self._limit = threads + max_waiting
         self._admitted = 0
 
