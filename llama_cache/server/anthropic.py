@@ -65,10 +65,12 @@ def is_messages_path(path: str) -> bool:
 def error_body(error: ApiError) -> dict[str, Any]:
     """``error`` in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``.
 
-    The message is the chat route's, a function's parameters named as the tool's ``input_schema``.
+    The message is the chat route's, a function's parameters named as the tool's ``input_schema``, the
+    ``response_format`` schema as ``output_config.format.schema``.
     """
     kind = _ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
-    text = error.message.replace(".function.parameters", ".input_schema")
+    text = error.message.replace(".function.parameters", ".input_schema").replace(
+        "response_format.json_schema.schema", "output_config.format.schema")
     return {"type": "error", "error": {"type": kind, "message": text}}
 
 

@@ -27,10 +27,13 @@ Options: ``max_tokens`` (required, except to count tokens), ``stop_sequences`` (
 as many as the chat route takes), ``temperature`` (0 to 1, Anthropic's range), ``top_p``, ``top_k``,
 ``stream``, ``tools`` (``{"name", "description"?, "input_schema"}`` as function tools),
 ``tool_choice`` (``auto``, ``none``, ``any`` as ``"required"``, ``tool`` as a named function: a forced
-call is generated under the chat route's schema constraint), ``cache_salt`` (this server's, as on the
-chat route). ``metadata``, ``thinking``, ``service_tier`` and ``cache_control`` (top level or on a block)
-are checked for their shape and have no effect: the prompt cache is automatic. Unknown fields are
-ignored, as the chat route ignores them.
+call is generated under the chat route's schema constraint), ``output_config.format``
+(``{"type": "json_schema", "schema"}``, Anthropic's structured outputs, as a ``json_schema``
+``response_format``: the text is an instance of the schema), ``cache_salt`` (this server's, as on the
+chat route). ``metadata``, ``thinking`` and ``output_config.effort`` are checked for their shape and
+have no effect; ``cache_control`` (top level or on a block) has none either: the prompt cache is
+automatic. Unknown fields are ignored, as the chat route ignores them (``temperature``, ``top_p`` and
+``top_k``, which the current ``anthropic`` client no longer sends, are still honoured).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ UNSUPPORTED_MEDIA = "input is not supported: this server's model reads text only
 # Client tools: a type of "custom", or none. Anthropic's server tools (bash_20250124, web_search_...)
 # run on Anthropic's side.
 _CLIENT_TOOL_TYPES = (None, "custom")
-_THINKING_TYPES = ("enabled", "disabled", "adaptive")
+_THINKING_TYPES = ("enabled", "disabled", "adaptive", "between_tools")
 
 
 def _error(param: str, message: str) -> ApiError:
@@ -97,6 +100,7 @@ def chat_body(body: dict[str, Any], *, counting: bool = False) -> dict[str, Any]
         messages.append({"role": "user", "content": ""})
     chat["messages"] = messages
     chat.update(_tools(body.get("tools"), body.get("tool_choice")))
+    chat.update(_output_config(body.get("output_config"), forced=chat.get("tool_choice") not in (None, "auto", "none")))
     _metadata(body.get("metadata"))
     _thinking(body.get("thinking"))
     salt = body.get("cache_salt")
@@ -321,6 +325,29 @@ def _tools(tools: object, choice: object) -> dict[str, Any]:
         raise _error("tool_choice.name", f"names the tool {short(name)}, which 'tools' does not declare")
     chat["tool_choice"] = {"type": "function", "function": {"name": name}}
     return chat
+
+
+def _output_config(value: object, forced: bool) -> dict[str, Any]:
+    """``output_config``: its ``format`` as the chat route's ``response_format`` (``effort`` checked only)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _type_error("output_config", "an object", value)
+    effort = value.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise _type_error("output_config.effort", "a string", effort)
+    spec = value.get("format")
+    if spec is None:
+        return {}
+    if not isinstance(spec, dict) or spec.get("type") != "json_schema":
+        raise _error("output_config.format", f"must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}, "
+                     f"got {short(spec)}")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise _type_error("output_config.format.schema", "a JSON schema object", schema)
+    if forced:
+        raise _error("output_config.format", "cannot be combined with a tool_choice that forces a tool")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}}
 
 
 def _metadata(value: object) -> None:
