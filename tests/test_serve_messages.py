@@ -308,3 +308,10 @@ def test_a_prompt_cached_by_chat_completions_is_read_by_messages(server: LiveSer
     metrics = server.metrics()
     assert metrics['llama_cache_requests_total{endpoint="/v1/messages",status="200"}'] == before + 1
     assert metrics['llama_cache_requests_total{endpoint="/v1/messages/count_tokens",status="200"}'] >= 1
+
+
+def test_the_other_messages_apis_are_anthropic_404s(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        client.messages.batches.list()
+    body = raised.value.body
+    assert isinstance(body, dict) and body["error"]["type"] == "not_found_error"

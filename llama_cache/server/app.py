@@ -151,6 +151,13 @@ class _Server:
         """``POST /v1/messages``: Anthropic's Messages API, served as the chat request it asks for (:mod:`.anthropic`)."""
         return await self._complete(request, "/v1/messages", self.anthropic)
 
+    async def messages_elsewhere(self, request: Request) -> Response:
+        """Any other path under ``/v1/messages/`` (the Message Batches API, say): a 404 in Anthropic's shape,
+        counted under ``other`` (a path a client chooses is not a label)."""
+        error = ApiError(404, "this server serves POST /v1/messages and POST /v1/messages/count_tokens of the "
+                         "Messages API, no other", code="not_found")
+        return self._answer("other", self.anthropic.error(error))
+
     async def count_tokens(self, request: Request) -> Response:
         """``POST /v1/messages/count_tokens``: ``{"input_tokens"}``, the prompt a ``/v1/messages`` request
         with the same conversation and tools would evaluate (rendered and tokenized as it would be, in
@@ -731,6 +738,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/v1/messages", server.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
+        Route("/v1/messages/{rest:path}", server.messages_elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         # The same without /v1, as llama-server and many client configurations use them (counted in the
         # metrics under the /v1 path).
         Route("/chat/completions", server.chat, methods=["POST"]),
