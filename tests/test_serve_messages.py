@@ -7,6 +7,7 @@ counts, errors in Anthropic's shape, and the prompt cache shared with the chat c
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -315,3 +316,45 @@ def test_the_other_messages_apis_are_anthropic_404s(client: anthropic.Anthropic)
         client.messages.batches.list()
     body = raised.value.body
     assert isinstance(body, dict) and body["error"]["type"] == "not_found_error"
+
+
+# ---------------------------------------------------------------------------------- a full queue, a drain
+
+def _wait_for(condition: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_full_queue_and_a_drain_are_anthropic_overloaded_errors() -> None:
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=1), shutdown_timeout=2.0)
+    long = {"model": "m", "max_tokens": 600, "temperature": 0, "stream": True,
+            "messages": _ask("Count from 1 to 1000: 1, 2, 3, 4,")}
+    stopping = threading.Thread(target=live.stop)
+    try:
+        with httpx.stream("POST", live.url + "/v1/messages", json=long, timeout=60) as running:
+            lines = running.iter_lines()
+            assert next(lines) == "event: message_start"
+            waiting = threading.Thread(target=lambda: httpx.post(
+                live.url + "/v1/messages", json={"model": "m", "max_tokens": 1, "messages": _ask("a")}, timeout=60))
+            waiting.start()
+            _wait_for(lambda: live.metrics()["llama_cache_queue_depth"] == 1)
+            refused = httpx.post(live.url + "/v1/messages", json={"model": "m", "max_tokens": 1, "messages": _ask("b")})
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "overloaded_error"
+            with anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0) as client:
+                with pytest.raises(anthropic.ServiceUnavailableError):
+                    client.messages.create(model="m", max_tokens=1, messages=_ask("c"))  # type: ignore[arg-type]
+            stopping.start()  # the drain: the running stream ends with an error event
+            rest = list(lines)
+        errors = [json.loads(line[len("data: "):]) for previous, line in zip(rest, rest[1:])
+                  if previous == "event: error"]
+        assert errors and errors[0]["error"]["type"] == "overloaded_error", rest[-6:]
+        assert "event: message_stop" not in rest
+        waiting.join(timeout=60)
+    finally:
+        if stopping.ident is None:  # failed before the drain began
+            live.stop()
+        else:
+            stopping.join(timeout=60)
