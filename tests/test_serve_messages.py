@@ -154,6 +154,17 @@ def test_a_cut_short_forced_tool_is_a_max_tokens_tool_use(client: anthropic.Anth
     assert isinstance(message.content[0], ToolUseBlock) and message.content[0].input == {}
 
 
+def test_an_output_format_makes_the_text_an_instance_of_its_schema(client: anthropic.Anthropic) -> None:
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 1, "maximum": 5}},
+              "required": ["colour", "count"]}
+    message = client.messages.create(model="m", max_tokens=40, messages=_ask("Pick a colour and a count."),
+                                     output_config={"format": {"type": "json_schema", "schema": schema}})
+    value = json.loads(_text(message))
+    assert value["colour"] in ("red", "green", "blue") and 1 <= value["count"] <= 5
+    assert message.stop_reason == "end_turn"
+
+
 # ---------------------------------------------------------------------------------- streams
 
 def _raw_events(server: LiveServer, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
