@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llama_cache.server.anthropic import MessageEvents, _Stops, error_body, is_messages_path, message
+from llama_cache.server.anthropic import MessageEvents, StopSequences, error_body, is_messages_path, message
 from llama_cache.server.anthropic_requests import chat_body
 from llama_cache.server.choices import Usage
 from llama_cache.server.errors import ApiError
@@ -23,8 +23,8 @@ from llama_cache.server.protocol import parse_chat_request
 BASE = {"model": "m", "max_tokens": 8}
 
 
-def _no_stops(text: bytes = b"") -> _Stops:
-    return _Stops([], lambda: text)
+def _no_stops(text: bytes = b"") -> StopSequences:
+    return StopSequences([], lambda: text)
 
 
 def test_system_and_string_contents_are_the_chat_messages_an_openai_client_sends() -> None:
@@ -131,9 +131,9 @@ def test_a_completion_becomes_a_message() -> None:
 
 
 def test_the_stop_sequence_that_ended_a_text_is_found_in_its_tokens() -> None:
-    stops = _Stops(["never", "!", " wor"], lambda: b"Hello wor")
+    stops = StopSequences(["never", "!", " wor"], lambda: b"Hello wor")
     assert stops.reason("stop", "Hello") == ("stop_sequence", " wor")
-    assert _Stops(["!"], lambda: b"Hello").reason("stop", "Hello") == ("end_turn", None)  # an end token
+    assert StopSequences(["!"], lambda: b"Hello").reason("stop", "Hello") == ("end_turn", None)  # an end token
     assert stops.reason("length", "Hello") == ("max_tokens", None)
 
 

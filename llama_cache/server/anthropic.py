@@ -48,7 +48,7 @@ from llama_cache.server.protocol import ChatRequest, CompletionRequest
 from llama_cache.server.slots import Job
 from llama_cache.server.transport import EventStream
 
-__all__ = ["AnthropicDialect", "MessageEvents", "error_body", "is_messages_path", "message"]
+__all__ = ["AnthropicDialect", "MessageEvents", "StopSequences", "error_body", "is_messages_path", "message"]
 
 MESSAGES_PATH = "/v1/messages"
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -97,7 +97,7 @@ def _input(arguments: str) -> dict[str, Any]:
 
 
 @dataclass
-class _Stops:
+class StopSequences:
     """Which of a request's stop sequences ended its text, from the text and the tokens it sampled.
 
     llama-cpp-python answers ``"stop"`` for an end-of-turn token and a stop sequence alike, and cuts the
@@ -106,8 +106,10 @@ class _Stops:
 
     sequences: list[str]
     generated: Callable[[], bytes]
+    """The text of every token sampled for the answer (asked once it is finished)."""
 
     def which(self, text: str) -> str | None:
+        """The stop sequence that ended an answer whose returned text is ``text``; None: none did."""
         if not self.sequences:
             return None
         full, head = self.generated(), text.encode("utf-8")
@@ -125,7 +127,7 @@ class _Stops:
         return ("stop_sequence", stop) if stop is not None else ("end_turn", None)
 
 
-def message(completion: dict[str, Any], stops: _Stops, message_id: str | None = None) -> dict[str, Any]:
+def message(completion: dict[str, Any], stops: StopSequences, message_id: str | None = None) -> dict[str, Any]:
     """A ``chat.completion`` (shaped by :mod:`.responses` for a forced tool) as an Anthropic ``message``."""
     choice = completion["choices"][0]
     chat = choice.get("message") or {}
@@ -158,16 +160,16 @@ class MessageEvents:
     chunk, once the prompt is evaluated, for ``message_start``'s prompt counts.
     """
 
-    stops: _Stops
+    stops: StopSequences
     usage: Callable[[], Usage | None]
     message_id: str = field(default_factory=_message_id)
-    _started: bool = False
-    _pinged: bool = False
-    _blocks: int = 0
-    _open: int | None = None
-    _tools: dict[int, int] = field(default_factory=dict)
-    _text: list[str] = field(default_factory=list)
-    _reason: tuple[str, str | None] = ("end_turn", None)
+    _started: bool = field(default=False, init=False)
+    _pinged: bool = field(default=False, init=False)
+    _blocks: int = field(default=0, init=False)  # blocks started so far: the next one's index
+    _open: int | None = field(default=None, init=False)
+    _tools: dict[int, int] = field(default_factory=dict, init=False)  # chat tool call index -> block index
+    _text: list[str] = field(default_factory=list, init=False)
+    _reason: tuple[str, str | None] = field(default=("end_turn", None), init=False)
 
     def events(self, chunk: dict[str, Any]) -> list[Event]:
         out: list[Event] = []
@@ -254,7 +256,7 @@ class MessageEventStream(EventStream):
 class MessageAnswers(Answers):
     """One Messages request's answer, whole or streamed (see the module docstring)."""
 
-    def __init__(self, stops: _Stops, usage: Callable[[], Usage | None]) -> None:
+    def __init__(self, stops: StopSequences, usage: Callable[[], Usage | None]) -> None:
         self._stops = stops
         self._usage = usage
 
@@ -289,5 +291,5 @@ class AnthropicDialect(Dialect):
             run = job.run
             return self._detokenize(list(run.samplings[0].sampled)) if run is not None and run.samplings else b""
 
-        stops = _Stops(list(parsed.options.get("stop") or []), generated)
+        stops = StopSequences(list(parsed.options.get("stop") or []), generated)
         return MessageAnswers(stops, lambda: job.usage)
