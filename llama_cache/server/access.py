@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import ipaddress
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -46,7 +47,8 @@ class ApiKeyMiddleware:
       in its scope: :func:`request_key_digest`); otherwise it is answered 401 with OpenAI's
       error body (``type`` ``invalid_request_error``, ``code`` ``invalid_api_key``, ``param`` null) and
       ``WWW-Authenticate: Bearer``, its body left unread and its connection closed, and ``on_refused``
-      is called with its path.
+      is called with its path. ``refusal_body`` may give that body another API's shape, by path (the
+      Messages API's routes answer in Anthropic's).
       Unknown paths ask for a key too: a client without one learns nothing of the routes.
     - The comparison takes the same time whichever key matches, however many characters of a key a
       guess shares and whatever the keys' lengths: the presented key's SHA-256 digest is compared with
@@ -59,19 +61,22 @@ class ApiKeyMiddleware:
         keys: the accepted keys, at least one.
         public_paths: paths served without a key.
         on_refused: called with the path of each request refused, before the 401 is sent (to count it).
+        refusal_body: the 401's body for a path and the error (default: OpenAI's, ``error.body()``).
 
     Raises:
         ValueError: ``keys`` is empty.
     """
 
     def __init__(self, app: ASGIApp, *, keys: Iterable[str], public_paths: Iterable[str] = ("/health",),
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 on_refused: Callable[[str], None] | None = None,
+                 refusal_body: Callable[[str, ApiError], dict[str, Any]] | None = None) -> None:
         self.app = app
         self._digests = tuple(_digest(key.encode()) for key in keys)
         if not self._digests:
             raise ValueError("ApiKeyMiddleware needs at least one key")
         self._public = frozenset(public_paths)
         self._on_refused = on_refused
+        self._refusal_body = refusal_body
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in self._public:
@@ -90,7 +95,8 @@ class ApiKeyMiddleware:
         # Closed after the answer: a client without a key holds no connection (nor trickles a body into it).
         error = ApiError(401, message, code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer", "Connection": "close"})
-        await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send)
+        body = self._refusal_body(scope["path"], error) if self._refusal_body is not None else error.body()
+        await JSONResponse(body, status_code=error.status, headers=error.headers)(scope, receive, send)
 
     def _accepts(self, key: bytes) -> bytes | None:
         """``key``'s digest if it is one of the keys, else None (every configured key compared)."""
@@ -134,14 +140,15 @@ def _presented_keys(headers: Iterable[tuple[bytes, bytes]]) -> list[bytes]:
 
 def access_middleware(*, api_keys: Iterable[str] = (), cors_origins: Iterable[str] = (),
                       public_paths: Iterable[str] = ("/health",),
-                      on_refused: Callable[[str], None] | None = None) -> list[Middleware]:
+                      on_refused: Callable[[str], None] | None = None,
+                      refusal_body: Callable[[str, ApiError], dict[str, Any]] | None = None) -> list[Middleware]:
     """The access middleware for Starlette's ``middleware=``, outermost first (see the module docstring).
 
     Args:
         api_keys: accepted keys; none: no key asked for.
         cors_origins: origins whose pages may call the API (``*``: any); none: no CORS middleware.
         public_paths: paths served without a key.
-        on_refused: see :class:`ApiKeyMiddleware`.
+        on_refused, refusal_body: see :class:`ApiKeyMiddleware`.
     """
     stack = []
     origins = list(cors_origins)
@@ -153,7 +160,7 @@ def access_middleware(*, api_keys: Iterable[str] = (), cors_origins: Iterable[st
     keys = list(api_keys)
     if keys:
         stack.append(Middleware(ApiKeyMiddleware, keys=keys, public_paths=tuple(public_paths),
-                                on_refused=on_refused))
+                                on_refused=on_refused, refusal_body=refusal_body))
     return stack
 
 

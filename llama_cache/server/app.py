@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
 ``stream`` is true), ``GET /v1/models`` (each also without ``/v1``), ``POST /tokenize`` and
-``POST /detokenize`` (llama-server's shapes), ``GET /health``, ``GET /metrics``.
+``POST /detokenize`` (llama-server's shapes), ``GET /health``, ``GET /metrics``; ``POST /v1/messages``
+and ``POST /v1/messages/count_tokens``, Anthropic's Messages API, served as the chat requests they ask
+for (:mod:`.dialects`, :mod:`.anthropic`).
 
 Before any route, :mod:`.access` answers CORS preflights and refuses requests without a valid API key
 (when keys are configured).
@@ -52,8 +54,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from llama_cache.server.access import access_middleware, key_id, request_key_digest
+from llama_cache.server.anthropic import AnthropicDialect, error_body, is_messages_path
 from llama_cache.server.config import ServerConfig
 from llama_cache.server.constraints import ConstraintError, SequenceConstraint
+from llama_cache.server.dialects import OPENAI, Dialect
 from llama_cache.server.metrics import ServerMetrics
 from llama_cache.server.errors import RETRY_AFTER_SECONDS, ApiError
 from llama_cache.server.limits import check_json_values
@@ -67,7 +71,7 @@ from llama_cache.server.protocol import (
     parse_json_body,
 )
 from llama_cache.server.engine import Engine
-from llama_cache.server.transport import END, Disconnect, EventStream, read_body
+from llama_cache.server.transport import END, Disconnect, read_body
 from llama_cache.server.contexts import (
     PromptTooLong,
     RenderingCancelled,
@@ -123,6 +127,9 @@ class _Server:
         self.streams: set[asyncio.Queue[Any]] = set()
         self.stopping = False
         self._cut: asyncio.Event | None = None
+        detokenize = engine.pool.slots[0].llama.detokenizer.detokenize  # reads the shared vocabulary only
+        self.anthropic = AnthropicDialect(detokenize)
+        self.anthropic_counting = AnthropicDialect(detokenize, counting=True)
 
     @property
     def cut(self) -> asyncio.Event:
@@ -138,6 +145,37 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         return await self._complete(request, "/v1/completions")
+
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages``: Anthropic's Messages API, served as the chat request it asks for (:mod:`.anthropic`)."""
+        return await self._complete(request, "/v1/messages", self.anthropic)
+
+    async def messages_elsewhere(self, request: Request) -> Response:
+        """Any other path under ``/v1/messages/`` (the Message Batches API, say): a 404 in Anthropic's shape,
+        counted under ``other`` (a path a client chooses is not a label)."""
+        error = ApiError(404, "this server serves POST /v1/messages and POST /v1/messages/count_tokens of the "
+                         "Messages API, no other", code="not_found")
+        return self._answer("other", self.anthropic.error(error))
+
+    async def count_tokens(self, request: Request) -> Response:
+        """``POST /v1/messages/count_tokens``: ``{"input_tokens"}``, the prompt a ``/v1/messages`` request
+        with the same conversation and tools would evaluate (rendered and tokenized as it would be, in
+        its cache namespace, on the utility lane as ``/tokenize``)."""
+        endpoint, dialect = "/v1/messages/count_tokens", self.anthropic_counting
+        try:
+            raw = await read_body(request, self.max_body_bytes, self.body_timeout)
+        except ApiError as error:
+            return self._answer(endpoint, dialect.error(error))
+        key_digest = request_key_digest(request.scope)
+        job = Job(started_at=time.monotonic())
+        try:
+            _, tokens, _, _ = await self.utilities.run(
+                lambda: self._parse(endpoint, raw, job, key_digest, dialect, counting=True))
+        except ApiError as error:
+            return self._answer(endpoint, dialect.error(error))
+        except UtilityBusy:
+            return self._answer(endpoint, dialect.error(_utilities_busy()))
+        return self._answer(endpoint, JSONResponse({"input_tokens": len(tokens)}))
 
     async def models(self, request: Request) -> Response:
         engine = self.engine
@@ -238,11 +276,13 @@ class _Server:
 
     # -- completions ------------------------------------------------------------------------------
 
-    def _parse(self, endpoint: str, raw: bytes, job: Job, key_digest: bytes | None
-               ) -> tuple[CompletionRequest | ChatRequest, list[int], int, str | None]:
+    def _parse(self, endpoint: str, raw: bytes, job: Job, key_digest: bytes | None, dialect: Dialect = OPENAI,
+               counting: bool = False) -> tuple[CompletionRequest | ChatRequest, list[int], int, str | None]:
         """The validated request, its prompt's tokens, how many of them the prompt cache would restore
-        and its cache namespace (its API key's, as ``key_digest`` names it, and its ``cache_salt``: see
-        :meth:`.Engine.cache_namespace`). Runs in a thread, beside running completions.
+        (0 when ``counting``: not asked) and its cache namespace (its API key's, as ``key_digest`` names
+        it, and its ``cache_salt``: see :meth:`.Engine.cache_namespace`). Runs in a thread, beside
+        running completions. Any endpoint but ``/v1/completions`` is a chat request, its body first
+        translated by ``dialect`` (:meth:`.Dialect.chat_body`).
 
         Everything a request may cost is checked before the work it bounds (:mod:`.limits`): the body's
         values, then the fields, the schemas and the text's size, then the template is rendered and the
@@ -257,6 +297,8 @@ class _Server:
         limits = engine.limits
         body = parse_json_body(raw)
         check_json_values(raw, body)
+        if endpoint != "/v1/completions":
+            body = dialect.chat_body(body)
         tokenizer = engine.pool.slots[0].llama  # tokenizing reads the shared vocabulary only
         parsed: CompletionRequest | ChatRequest
         if endpoint == "/v1/completions":
@@ -289,7 +331,7 @@ class _Server:
             param = "messages"
         if len(tokens) >= engine.n_ctx:
             raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
-        return parsed, tokens, self._cached_length(tokens, fingerprint), namespace
+        return parsed, tokens, 0 if counting else self._cached_length(tokens, fingerprint), namespace
 
     def _cached_length(self, tokens: list[int], fingerprint: str) -> int:
         """How many leading tokens of a prompt the prompt cache would restore in the namespace of
@@ -393,14 +435,14 @@ class _Server:
 
         return call
 
-    async def _complete(self, request: Request, endpoint: str) -> Response:
+    async def _complete(self, request: Request, endpoint: str, dialect: Dialect = OPENAI) -> Response:
         started = time.monotonic()
         try:
             if self.stopping:
                 raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable")
             raw = await read_body(request, self.max_body_bytes, self.body_timeout)
         except ApiError as error:
-            return self._answer(endpoint, _error_response(error))
+            return self._answer(endpoint, dialect.error(error))
         job = Job(started_at=started)
         watcher = Disconnect(request, job)
         handed_over = False
@@ -408,21 +450,23 @@ class _Server:
             try:
                 key_digest = request_key_digest(request.scope)
                 parsed, tokens, cached, namespace = await asyncio.to_thread(self._parse, endpoint, raw, job,
-                                                                            key_digest)
+                                                                            key_digest, dialect)
                 constraints = None
                 if parsed.structured is not None:
                     constraints = await asyncio.to_thread(self._constraints, parsed.structured, parsed.sampling.n)
             except ApiError as error:
-                return self._answer(endpoint, _error_response(error))
+                return self._answer(endpoint, dialect.error(error))
             except RenderingCancelled:
                 return self._answer(endpoint, Response(status_code=CLIENT_CLOSED))
             del raw  # the body's bytes are not kept while the request waits and runs
-            slot = await self._acquire(endpoint, tokens, cached, watcher, self.engine.namespace_fingerprint(namespace))
+            slot = await self._acquire(endpoint, tokens, cached, watcher, self.engine.namespace_fingerprint(namespace),
+                                       dialect)
             if slot is None:
                 self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
                 return Response(status_code=CLIENT_CLOSED)
             loop = asyncio.get_running_loop()
             job.key = key_id(key_digest) if self.keyed else None
+            answers = dialect.answers(parsed, job)
             call = self._run(parsed, tokens, job, constraints, namespace)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -444,7 +488,7 @@ class _Server:
                     watcher.close()
                     self.streams.discard(queue)
 
-                return EventStream(queue, finish=finish)
+                return answers.stream(queue, finish)
             future = self._start(slot, job, call, None)
             cut = asyncio.ensure_future(self.cut.wait())
             try:
@@ -454,7 +498,7 @@ class _Server:
             if not future.done():  # the drain's time is up: the worker stops at its next token
                 job.cancel.set()
                 self._record(endpoint, job, 503)
-                return _error_response(_shutting_down())
+                return dialect.error(_shutting_down())
             try:
                 result = future.result()
             except Cancelled:
@@ -462,27 +506,28 @@ class _Server:
                 return Response(status_code=CLIENT_CLOSED)
             except ValueError as error:
                 self._record(endpoint, job, 400)
-                return _error_response(ApiError(400, str(error)))
+                return dialect.error(ApiError(400, str(error)))
             except asyncio.CancelledError:
                 job.cancel.set()
                 raise
             except Exception as error:  # noqa: BLE001 - answered as OpenAI's server_error
                 logger.exception("completion failed")
                 self._record(endpoint, job, 500)
-                return _error_response(ApiError(500, f"the completion failed: {error}", type="server_error"))
+                return dialect.error(ApiError(500, f"the completion failed: {error}", type="server_error"))
             self._record(endpoint, job, 200)
-            return JSONResponse(result)
+            return answers.whole(result)
         finally:
             if not handed_over:
                 watcher.close()
 
     async def _acquire(self, endpoint: str, tokens: list[int], cached: int, watcher: Disconnect,
-                       fingerprint: str) -> Slot | None:
+                       fingerprint: str, dialect: Dialect = OPENAI) -> Slot | None:
         """A slot (routed within the cache namespace of ``fingerprint``), or None when the client left
         while queued.
 
         Raises:
-            _Refused: the queue is full (carries the 503 response with ``Retry-After``).
+            _Refused: the queue is full or the drain's time is up (carries the 503 response, in
+                ``dialect``'s shape, with ``Retry-After``).
         """
         acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens, cached, fingerprint))
         gone = asyncio.ensure_future(watcher.gone.wait())
@@ -499,7 +544,7 @@ class _Server:
             acquiring.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await acquiring
-            raise _Refused(_error_response(_shutting_down()))
+            raise _Refused(dialect.error(_shutting_down()))
         if acquiring.done():
             try:
                 return acquiring.result()
@@ -507,7 +552,7 @@ class _Server:
                 error = ApiError(503, "every context is busy and the queue is full; retry later",
                                  type="server_error", code="queue_full",
                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-                raise _Refused(_error_response(error)) from None
+                raise _Refused(dialect.error(error)) from None
         acquiring.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await acquiring
@@ -677,7 +722,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
         path = request.url.path
         server.metrics.requests.labels(path if path in endpoints else "other", "500").inc()
         error = ApiError(500, "the server failed to answer this request", type="server_error")
-        return _error_response(error)
+        return JSONResponse(error_body(error) if is_messages_path(path) else error.body(), status_code=500)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -690,6 +735,9 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/messages", server.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
+        Route("/v1/messages/{rest:path}", server.messages_elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
         # The same without /v1, as llama-server and many client configurations use them (counted in the
         # metrics under the /v1 path).
         Route("/chat/completions", server.chat, methods=["POST"]),
@@ -709,6 +757,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
         routes=routes,
         middleware=access_middleware(
             api_keys=settings.api_keys, cors_origins=settings.cors_origins, on_refused=unauthorized,
+            refusal_body=lambda path, error: error_body(error) if is_messages_path(path) else error.body(),
             public_paths=("/health", "/metrics") if settings.metrics_public else ("/health",)),
         exception_handlers={_Refused: refused, Exception: failed},
         lifespan=lifespan,

@@ -82,7 +82,14 @@ class Disconnect:
 
 
 class EventStream(Response):
-    """A ``text/event-stream`` response fed by a worker thread through an asyncio queue."""
+    """A ``text/event-stream`` response fed by a worker thread through an asyncio queue.
+
+    Each queued item is sent as :meth:`encode` makes it (OpenAI's: one ``data:`` event per chunk or
+    :class:`ApiError`) until :data:`END`, which sends :attr:`closing` (``data: [DONE]``). A subclass
+    speaking another API's events overrides both.
+    """
+
+    closing = b"data: [DONE]\n\n"
 
     def __init__(self, queue: asyncio.Queue[Any], finish: Callable[[], None]) -> None:
         # Not Response.__init__: it would declare a Content-Length of 0.
@@ -103,13 +110,16 @@ class EventStream(Response):
                 item = await self._queue.get()
                 if item is END:
                     break
-                if isinstance(item, ApiError):
-                    payload = json.dumps(item.body())
-                else:
-                    payload = json.dumps(item, ensure_ascii=False)
-                await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+                body = self.encode(item)
+                if body:
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+            await send({"type": "http.response.body", "body": self.closing, "more_body": False})
         except OSError:  # the client went away while we wrote (ASGI 2.4 servers raise)
             pass
         finally:
             self._finish()
+
+    def encode(self, item: Any) -> bytes:
+        """The bytes sent for one queued item (a chunk or an :class:`ApiError`); empty: nothing sent."""
+        payload = json.dumps(item.body()) if isinstance(item, ApiError) else json.dumps(item, ensure_ascii=False)
+        return f"data: {payload}\n\n".encode()
