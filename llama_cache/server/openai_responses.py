@@ -1,0 +1,497 @@
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET`` / ``DELETE /v1/responses/{id}``) over the chat route.
+
+A Responses request is checked here (:func:`parse_responses_request`, 400s naming its own fields), then
+translated into the chat completion request the server already serves (:meth:`ResponsesFront.chat_body`):
+
+- ``input`` (a string: one user message; or items) and ``instructions`` (a system message first) become
+  ``messages``. Message items (roles ``user``, ``system``, ``developer``, ``assistant``; content a string
+  or ``input_text`` / ``output_text`` parts) keep their role and text; a ``function_call`` item becomes an
+  assistant turn holding the call as JSON (``{"name": ..., "arguments": ...}``: a template that knows no
+  tool calls renders it as text), a ``function_call_output`` item a ``tool`` message. ``reasoning`` items
+  are skipped (this server generates none).
+- ``max_output_tokens``, ``temperature``, ``top_p`` are chat's ``max_tokens``, ``temperature``, ``top_p``;
+  ``tools`` (function tools, ``{"type": "function", "name", "description", "parameters", "strict"}``)
+  and ``tool_choice`` (``auto``, ``none``, ``required``, ``{"type": "function", "name"}``) are chat's
+  tools; ``text.format`` (``json_schema`` or ``json_object``) is chat's ``response_format``: the same
+  llguidance constraints (:mod:`.constraints`).
+- Extensions kept from the chat route: ``seed``, ``top_k``, ``min_p``, ``cache_salt``.
+
+Fields the API defines that this server cannot honour are refused (``background``, ``conversation``,
+``prompt``, ``truncation: "auto"``, ``top_logprobs``, tools other than functions, image, file or audio
+input), never ignored.
+
+**Server-side conversations.** With ``store`` (default true, as OpenAI) the response is stored
+(:mod:`.response_store`) with the conversation it ends and the tokens its context held: the prompt and
+the generated tokens. A request naming it as ``previous_response_id`` renders the whole conversation
+(the previous ones' messages, its own input, under its own ``instructions``: they are not inherited) with
+the chat template; when the stored tokens are a prefix of that rendering (counted in
+``llama_cache_responses_continued_total``) the prompt cache holds their state (saved when the previous
+answer ended, in every tier: any instance restores it), so only the new tokens are evaluated. A template
+that renders earlier turns differently later is not prefix-stable: such renders are counted in
+``llama_cache_responses_rerendered_total`` and served from the cache's longest prefix. A stored
+response is bound to the API key that made it (:func:`.response_store.owner_of`): for another key, an
+unknown id and an expired one alike, it is a 404 in OpenAI's error shape.
+
+Streamed (``stream: true``) the answer is the event sequence of :class:`.responses_shapes.ResponseEvents`,
+as server-sent events with their ``event:`` names and no ``[DONE]``; the response is stored before
+its ``response.completed`` event is sent, so a follow-up finds it wherever it lands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter
+
+from llama_cache.server.contexts import live_tokens
+from llama_cache.server.errors import ApiError
+from llama_cache.server.limits import RequestLimits, limit_error
+from llama_cache.server.response_store import ResponseStore, StoredResponse, is_response_id, new_response_id, owner_of
+from llama_cache.server.responses_shapes import ResponseEvents, output_of, usage_of
+
+__all__ = ["ResponsesFront", "ResponsesRequest", "ResponsesService", "parse_responses_request"]
+
+logger = logging.getLogger(__name__)
+
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_INPUT_PARTS = {"input_text", "output_text", "text", "refusal"}
+_PASSED = ("seed", "top_k", "min_p", "cache_salt")
+_REFUSED = {"background": "background responses", "conversation": "the Conversations API",
+            "prompt": "prompt templates"}
+_MAX_METADATA = 16
+
+
+@dataclass
+class ResponsesRequest:
+    """A checked ``POST /v1/responses`` body: its new input as chat messages, and what the response
+    object echoes (``echo``: instructions, tools, tool_choice, text, ... as OpenAI returns them)."""
+
+    messages: list[dict[str, Any]]
+    instructions: str | None
+    previous_response_id: str | None
+    store: bool
+    stream: bool
+    model: str | None
+    chat: dict[str, Any] = field(default_factory=dict)
+    echo: dict[str, Any] = field(default_factory=dict)
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, f"'{param}' {message}", param=param, code=code)
+
+
+def _unsupported(param: str, what: str) -> ApiError:
+    return ApiError(400, f"'{param}': {what} is not supported by this server", param=param,
+                    code="unsupported_parameter")
+
+
+def _short(value: object) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_responses_request(body: dict[str, Any], limits: RequestLimits) -> ResponsesRequest:
+    """Check a ``/v1/responses`` body; the chat fields it gives are in ``chat`` (checked again, with the
+    chat route's limits, when the chat request is parsed).
+
+    Raises:
+        ApiError: 400 naming the first field at fault.
+    """
+    for name, what in _REFUSED.items():
+        if body.get(name) not in (None, False):
+            raise _unsupported(name, what)
+    if body.get("truncation") not in (None, "disabled"):
+        raise _unsupported("truncation", "truncation other than \"disabled\"")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _unsupported("top_logprobs", "log probabilities")
+    flags = {}
+    for name, default in (("store", True), ("stream", False), ("parallel_tool_calls", True)):
+        value = body.get(name)
+        if value is None:
+            value = default
+        if not isinstance(value, bool):
+            raise _bad(name, f"must be a boolean, got {_short(value)}", "invalid_type")
+        flags[name] = value
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", f"must be a string, got {_short(model)}", "invalid_type")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _bad("instructions", f"must be a string, got {_short(instructions)}", "invalid_type")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise _bad("previous_response_id", f"must be a string, got {_short(previous)}", "invalid_type")
+    if "input" not in body or body["input"] is None:
+        raise ApiError(400, "'input' is required", param="input", code="missing")
+    messages = _input_messages(body["input"], limits)
+    chat: dict[str, Any] = {}
+    max_output = body.get("max_output_tokens")
+    if max_output is not None:
+        if isinstance(max_output, bool) or not isinstance(max_output, int):
+            raise _bad("max_output_tokens", f"must be an integer, got {_short(max_output)}", "invalid_type")
+        if max_output < 1:
+            raise _bad("max_output_tokens", f"must be at least 1, got {max_output}")
+        chat["max_tokens"] = max_output
+    for name in ("temperature", "top_p", *_PASSED):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    tools = _tools(body.get("tools"))
+    if tools:
+        chat["tools"] = [{"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+                         for tool in tools]
+    tool_choice = body.get("tool_choice")
+    chat_choice = _tool_choice(tool_choice, tools)
+    if chat_choice is not None:
+        chat["tool_choice"] = chat_choice
+    text = body.get("text")
+    text_echo, response_format = _text(text)
+    if response_format is not None:
+        chat["response_format"] = response_format
+    metadata = body.get("metadata")
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > _MAX_METADATA or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in metadata.items())):
+        raise _bad("metadata", f"must map at most {_MAX_METADATA} keys (up to 64 characters) to strings "
+                   "(up to 512 characters)")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _bad("user", f"must be a string, got {_short(user)}", "invalid_type")
+    echo = {
+        "instructions": instructions, "max_output_tokens": max_output, "metadata": metadata or {},
+        "parallel_tool_calls": flags["parallel_tool_calls"], "previous_response_id": previous,
+        "store": flags["store"], "temperature": chat.get("temperature", 1.0), "top_p": chat.get("top_p", 1.0),
+        "text": text_echo, "tool_choice": tool_choice if tool_choice is not None else "auto", "tools": tools,
+        "truncation": "disabled", "user": user, "reasoning": {"effort": None, "summary": None},
+        "background": False, "service_tier": "default",
+    }
+    return ResponsesRequest(messages=messages, instructions=instructions, previous_response_id=previous,
+                            store=flags["store"], stream=flags["stream"], model=model, chat=chat, echo=echo)
+
+
+def _input_messages(value: object, limits: RequestLimits) -> list[dict[str, Any]]:
+    """``input`` as chat messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise _bad("input", f"must be a string or a list of items, got {_short(value)}", "invalid_type")
+    if len(value) > limits.max_messages:
+        raise limit_error("input", f"holds {len(value)} items; this server accepts at most {limits.max_messages}")
+    messages = []
+    for index, item in enumerate(value):
+        param = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise _bad(param, f"must be an object, got {_short(item)}", "invalid_type")
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(param, item))
+        elif kind == "function_call":
+            messages.append(_call_message(param, item))
+        elif kind == "function_call_output":
+            messages.append(_call_output(param, item))
+        elif kind == "reasoning":
+            continue
+        else:
+            raise _unsupported(f"{param}.type", f"an input item of type {_short(kind)}")
+    return messages
+
+
+def _message(param: str, item: dict[str, Any]) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in _ROLES:
+        raise _bad(f"{param}.role", f"must be one of {', '.join(_ROLES)}, got {_short(role)}")
+    return {"role": _ROLES[role], "content": _text_content(f"{param}.content", item.get("content"))}
+
+
+def _text_content(param: str, content: object) -> str:
+    """A content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(param, f"must be a string or a list of content parts, got {_short(content)}", "invalid_type")
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise _unsupported(f"{param}[{index}]", f"{kind} content (this server serves a text model)")
+        text = part.get("refusal" if kind == "refusal" else "text") if isinstance(part, dict) else None
+        if kind not in _INPUT_PARTS or not isinstance(text, str):
+            raise _bad(f"{param}[{index}]", "must be a text part ({\"type\": \"input_text\", \"text\": ...}), "
+                       f"got {_short(part)}")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _call_message(param: str, item: dict[str, Any]) -> dict[str, Any]:
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str):
+            raise _bad(f"{param}.{name}", f"must be a string, got {_short(item.get(name))}", "invalid_type")
+    return {"role": "assistant", "content": call_text(item["name"], item["arguments"])}
+
+
+def call_text(name: str, arguments: str) -> str:
+    """How a function call is written in a conversation's assistant turn: the JSON the model writes
+    when it calls one (``{"name": ..., "arguments": {...}}``)."""
+    try:
+        value: Any = json.loads(arguments)
+    except ValueError:
+        value = arguments
+    return json.dumps({"name": name, "arguments": value}, ensure_ascii=False)
+
+
+def _call_output(param: str, item: dict[str, Any]) -> dict[str, Any]:
+    call_id = item.get("call_id")
+    if not isinstance(call_id, str):
+        raise _bad(f"{param}.call_id", f"must be a string, got {_short(call_id)}", "invalid_type")
+    return {"role": "tool", "content": _text_content(f"{param}.output", item.get("output")), "tool_call_id": call_id}
+
+
+def _tools(value: object) -> list[dict[str, Any]]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _bad("tools", f"must be a list of tools, got {_short(value)}", "invalid_type")
+    tools = []
+    for index, tool in enumerate(value):
+        param = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise _bad(param, f"must be an object, got {_short(tool)}", "invalid_type")
+        if tool.get("type") != "function":
+            raise _unsupported(f"{param}.type", f"a tool of type {_short(tool.get('type'))} (function tools only)")
+        if not isinstance(tool.get("name"), str):
+            raise _bad(f"{param}.name", f"must be a string, got {_short(tool.get('name'))}", "invalid_type")
+        kept = {key: tool[key] for key in ("type", "name", "description", "parameters", "strict")
+                if tool.get(key) is not None}
+        tools.append(kept)
+    return tools
+
+
+def _tool_choice(value: object, tools: list[dict[str, Any]]) -> Any:
+    """``tool_choice`` as chat's."""
+    if value is None or value in ("auto", "none"):
+        return value if tools else None
+    if value == "required":
+        return "required"
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise _bad("tool_choice", "must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"name\": ...}, "
+               f"got {_short(value)}")
+
+
+def _text(value: object) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``text`` as echoed, and chat's ``response_format`` for its ``format`` (None for plain text)."""
+    if value is None:
+        return {"format": {"type": "text"}}, None
+    if not isinstance(value, dict):
+        raise _bad("text", f"must be an object, got {_short(value)}", "invalid_type")
+    spec = value.get("format")
+    if spec is None:
+        return {**value, "format": {"type": "text"}}, None
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "text":
+        return dict(value), None
+    if kind == "json_object":
+        return dict(value), {"type": "json_object"}
+    if kind != "json_schema":
+        raise _bad("text.format", "must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                   f"{{\"type\": \"json_schema\", \"name\": ..., \"schema\": {{...}}}}, got {_short(spec)}")
+    assert isinstance(spec, dict)
+    if not isinstance(spec.get("name"), str):
+        raise _bad("text.format.name", f"must be a string, got {_short(spec.get('name'))}", "invalid_type")
+    if not isinstance(spec.get("schema"), dict):
+        raise _bad("text.format.schema", f"must be a JSON schema object, got {_short(spec.get('schema'))}",
+                   "invalid_type")
+    inner = {key: spec[key] for key in ("name", "description", "schema", "strict") if spec.get(key) is not None}
+    return dict(value), {"type": "json_schema", "json_schema": inner}
+
+
+class ResponsesMetrics:
+    """The Responses API's own counters, in the app's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.continued = Counter("llama_cache_responses_continued", "Follow-ups (previous_response_id) whose "
+                                 "rendering starts with the previous response's tokens", registry=registry)
+        self.rerendered = Counter("llama_cache_responses_rerendered", "Follow-ups (previous_response_id) whose "
+                                  "rendering does not start with the previous response's tokens (served from "
+                                  "the prompt cache's longest prefix)", registry=registry)
+
+
+class ResponsesService:
+    """What the Responses routes share: the store, the counters, the request limits.
+
+    Args:
+        store: where stored responses live (closed by :meth:`close`).
+        registry: the app's metrics registry (the counters are added to it).
+        limits: the chat route's request limits.
+        model_name: the model's name, for a request that names none.
+    """
+
+    def __init__(self, store: ResponseStore, registry: CollectorRegistry, limits: RequestLimits,
+                 model_name: str) -> None:
+        self.store = store
+        self.metrics = ResponsesMetrics(registry)
+        self.limits = limits
+        self.model_name = model_name
+
+    def front(self, key_digest: bytes | None) -> ResponsesFront:
+        """The front of one ``POST /v1/responses`` request presenting this key (its digest; None: none)."""
+        return ResponsesFront(self, owner_of(key_digest))
+
+    def retrieve(self, response_id: str, key_digest: bytes | None) -> dict[str, Any] | None:
+        """The stored response object, or None (unknown, expired, another key's). Blocks on the store."""
+        record = self.store.get(response_id, owner_of(key_digest))
+        return None if record is None else record.response
+
+    def delete(self, response_id: str, key_digest: bytes | None) -> bool:
+        """Delete a stored response; False when there is none for this key. Blocks on the store."""
+        return self.store.delete(response_id, owner_of(key_digest))
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def not_found(response_id: str, param: str | None = None) -> ApiError:
+    """OpenAI's 404 for a response id it does not know (or not for this key: the same answer)."""
+    what = "Previous response" if param == "previous_response_id" else "Response"
+    shown = response_id if is_response_id(response_id) else _short(response_id)
+    return ApiError(404, f"{what} with id '{shown}' not found.", param=param,
+                    code="previous_response_not_found" if param else None)
+
+
+class ResponsesFront:
+    """One ``POST /v1/responses`` request as a chat request (a :class:`.fronts.ChatFront`).
+
+    Made per request by :meth:`ResponsesService.front`; used by one request only.
+    """
+
+    def __init__(self, service: ResponsesService, owner: str) -> None:
+        self._service = service
+        self._owner = owner
+        self.id = new_response_id()
+        self.created_at = int(time.time())
+        self.request: ResponsesRequest | None = None
+        self._previous: StoredResponse | None = None
+        self._conversation: list[dict[str, Any]] = []
+        self._prompt: list[int] = []
+
+    # -- the request -----------------------------------------------------------------------------
+
+    def chat_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The chat body for ``body``, the previous response's conversation before its input.
+
+        Raises:
+            ApiError: 400 for bad input; 404 for a ``previous_response_id`` unknown (expired, another key's).
+        """
+        request = parse_responses_request(body, self._service.limits)
+        self.request = request
+        conversation: list[dict[str, Any]] = []
+        if request.previous_response_id is not None:
+            previous = self._service.store.get(request.previous_response_id, self._owner)
+            if previous is None:
+                raise not_found(request.previous_response_id, "previous_response_id")
+            self._previous = previous
+            conversation = list(previous.conversation)
+        self._conversation = conversation + request.messages
+        system = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
+        chat = {"messages": system + self._conversation, "stream": request.stream, **request.chat}
+        if request.model is not None:
+            chat["model"] = request.model
+        if request.stream:
+            chat["stream_options"] = {"include_usage": True}
+        if not chat["messages"]:
+            raise _bad("input", "holds no message")
+        return chat
+
+    def rendered(self, tokens: list[int]) -> None:
+        self._prompt = list(tokens)
+        previous = self._previous
+        if previous is None:
+            return
+        stored = previous.tokens
+        if len(stored) <= len(tokens) and tokens[: len(stored)] == stored:
+            self._service.metrics.continued.inc()
+        else:
+            self._service.metrics.rerendered.inc()
+
+    # -- the answer ------------------------------------------------------------------------------
+
+    def whole(self, completion: dict[str, Any], llama: Any) -> dict[str, Any]:
+        output = output_of(completion)
+        response = self._response(output.status, output.items, usage_of(completion.get("usage")),
+                                  output.incomplete_details, completion)
+        self._store(response, output.items, llama)
+        return response
+
+    def stream(self, chunks: Iterator[Any], llama: Any) -> Iterator[Any]:
+        events = ResponseEvents(lambda status, items, usage, details: self._response(status, items, usage, details))
+        self._events = events
+        yield from events.start()
+        finished = False
+        for chunk in chunks:
+            if not isinstance(chunk, dict):
+                yield chunk
+                continue
+            if finished:
+                continue
+            if chunk.get("usage") is not None and not chunk.get("choices"):
+                finished = True
+                last = events.finish(usage_of(chunk["usage"]))
+                self._store(last[-1]["response"], events.output, llama)
+                yield from last
+                continue
+            yield from events.chunk(chunk)
+
+    def encode(self, item: Any) -> bytes:
+        if isinstance(item, ApiError):
+            events = getattr(self, "_events", None)
+            event = (events.error(item.code, item.message, item.param) if events is not None else
+                     {"type": "error", "sequence_number": 0, "code": item.code, "message": item.message,
+                      "param": item.param})
+            item = event
+        return f"event: {item['type']}\ndata: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
+
+    @property
+    def ending(self) -> bytes:
+        return b""
+
+    # -- shapes and storage ----------------------------------------------------------------------
+
+    def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
+                  incomplete: dict[str, Any] | None, completion: dict[str, Any] | None = None) -> dict[str, Any]:
+        request = self.request
+        assert request is not None
+        model = (completion or {}).get("model") or request.model or self._service.model_name
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if status in ("completed", "incomplete") else None,
+                "error": None, "incomplete_details": incomplete, "model": model, "output": list(output),
+                **request.echo, "usage": usage}
+
+    def _store(self, response: dict[str, Any], output: list[dict[str, Any]], llama: Any) -> None:
+        """Store the response with its conversation and its context's tokens (``store`` true only)."""
+        request = self.request
+        assert request is not None
+        if not request.store:
+            return
+        tokens = live_tokens(llama).tolist()
+        turns = []
+        for item in output:
+            if item["type"] == "message":
+                turns.append({"role": "assistant", "content": item["content"][0]["text"] if item["content"] else ""})
+            else:
+                turns.append({"role": "assistant", "content": self._generated(llama, tokens, item)})
+        record = StoredResponse(id=self.id, owner=self._owner, expires_at=0.0, response=response,
+                                conversation=self._conversation + turns, tokens=tokens)
+        self._service.store.put(record)
+
+    def _generated(self, llama: Any, tokens: list[int], item: dict[str, Any]) -> str:
+        """The text the model generated for a call, as the context holds it (so that a follow-up's
+        rendering starts with the stored tokens); the call's JSON when the context does not hold it."""
+        prompt = self._prompt
+        if len(tokens) > len(prompt) and tokens[: len(prompt)] == prompt:
+            text = llama.detokenize(tokens[len(prompt):]).decode("utf-8", "replace")
+            if item["arguments"] in text or item["name"] in text:
+                return text
+        return call_text(item["name"], item["arguments"])
