@@ -81,10 +81,20 @@ class Disconnect:
         self._task.cancel()
 
 
-class EventStream(Response):
-    """A ``text/event-stream`` response fed by a worker thread through an asyncio queue."""
+def _data_event(item: Any) -> bytes:
+    payload = json.dumps(item.body()) if isinstance(item, ApiError) else json.dumps(item, ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()
 
-    def __init__(self, queue: asyncio.Queue[Any], finish: Callable[[], None]) -> None:
+
+class EventStream(Response):
+    """A ``text/event-stream`` response fed by a worker thread through an asyncio queue.
+
+    Each item of the queue (a chunk, or an :class:`ApiError`) is sent as ``encode`` writes it (default:
+    one ``data:`` line of JSON, an error as its error body); :data:`END` sends ``ending`` and ends it.
+    """
+
+    def __init__(self, queue: asyncio.Queue[Any], finish: Callable[[], None],
+                 encode: Callable[[Any], bytes] = _data_event, ending: bytes = b"data: [DONE]\n\n") -> None:
         # Not Response.__init__: it would declare a Content-Length of 0.
         self.status_code = 200
         self.background = None
@@ -95,6 +105,8 @@ class EventStream(Response):
         ]
         self._queue = queue
         self._finish = finish
+        self._encode = encode
+        self._ending = ending
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -103,12 +115,8 @@ class EventStream(Response):
                 item = await self._queue.get()
                 if item is END:
                     break
-                if isinstance(item, ApiError):
-                    payload = json.dumps(item.body())
-                else:
-                    payload = json.dumps(item, ensure_ascii=False)
-                await send({"type": "http.response.body", "body": f"data: {payload}\n\n".encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+                await send({"type": "http.response.body", "body": self._encode(item), "more_body": True})
+            await send({"type": "http.response.body", "body": self._ending, "more_body": False})
         except OSError:  # the client went away while we wrote (ASGI 2.4 servers raise)
             pass
         finally:
