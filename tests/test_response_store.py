@@ -177,6 +177,9 @@ def _tampered(record: StoredResponse) -> dict[str, Any]:
         "conversation not a list": json.dumps({**good, "conversation": {}}).encode(),
         "a message without content": json.dumps({**good, "conversation": [{"role": "user"}]}).encode(),
         "a message of a bad role": json.dumps({**good, "conversation": [{"role": "root", "content": ""}]}).encode(),
+        "a role that is a list": json.dumps({**good, "conversation": [{"role": ["user"], "content": ""}]}).encode(),
+        "a tool call id that is a number": json.dumps({**good, "conversation": [
+            {"role": "tool", "content": "", "tool_call_id": 5}]}).encode(),
         "tokens not base64": json.dumps({**good, "tokens": "!!!"}).encode(),
         "tokens of a bad length": json.dumps({**good, "tokens": "AAA="}).encode(),
         "a negative token": json.dumps({**good, "tokens": "/////w=="}).encode(),

@@ -22,6 +22,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, Field
 
 from llama_cache.server import ServerConfig
@@ -301,6 +303,8 @@ def test_a_streamed_response_is_stored_before_it_completes(client: openai.OpenAI
     ({"input": [3]}, "input[0]"),
     ({"input": [{"type": "banana"}]}, "input[0].type"),
     ({"input": [{"role": "root", "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input[0].role"),
+    ({"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0]"),
@@ -309,7 +313,7 @@ def test_a_streamed_response_is_stored_before_it_completes(client: openai.OpenAI
     ({"input": "x", "instructions": 5}, "instructions"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "max_output_tokens": "8"}, "max_output_tokens"),
-    ({"input": "x", "max_output_tokens": 10**6}, "max_tokens"),
+    ({"input": "x", "max_output_tokens": 10**6}, "max_output_tokens"),
     ({"input": "x", "temperature": 5}, "temperature"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
@@ -404,3 +408,26 @@ def test_a_tampered_stored_response_is_a_logged_404(keyed: LiveServer, cache_dir
         with pytest.raises(openai.NotFoundError):
             alpha.responses.create(input="Hi", previous_response_id=res.id)
 
+
+
+# ---------------------------------------------------------------------------------------------- fuzz
+
+_VOCABULARY = ["input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice", "text",
+               "stream", "store", "previous_response_id", "model", "metadata", "type", "role", "content", "name",
+               "arguments", "call_id", "output", "format", "schema", "parameters", "strict", "truncation"]
+_ATOMS = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 40), max_value=1 << 40), st.text(max_size=12),
+                   st.sampled_from(["auto", "none", "required", "function", "message", "user", "assistant",
+                                    "developer", "input_text", "output_text", "function_call", "function_call_output",
+                                    "json_schema", "json_object", "resp_" + "0" * 48]))
+_VALUES = st.recursive(_ATOMS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(_VOCABULARY), inner, max_size=4)), max_leaves=12)
+
+
+@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.dictionaries(st.sampled_from(_VOCABULARY), _VALUES, max_size=6))
+def test_no_body_is_a_5xx(server: LiveServer, body: dict[str, Any]) -> None:
+    body["max_output_tokens"] = 2  # answers are cut short: the fields are what is tried
+    response = _post(server, body)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code != 200:
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}

@@ -705,7 +705,8 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
                      settings.body_timeout, keyed=bool(settings.api_keys))
     store = open_store(redis_url=settings.redis_url, cache_dir=settings.cache_dir, ttl=settings.responses_ttl,
                        capacity_bytes=settings.responses_store_bytes, max_record_bytes=settings.responses_max_bytes)
-    server.responses = ResponsesService(store, server.metrics.registry, engine.limits, engine.model_name)
+    server.responses = ResponsesService(store, server.metrics.registry, engine.limits, engine.model_name,
+                                        engine.n_ctx)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)

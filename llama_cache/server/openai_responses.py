@@ -95,9 +95,9 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_responses_request(body: dict[str, Any], limits: RequestLimits) -> ResponsesRequest:
+def parse_responses_request(body: dict[str, Any], limits: RequestLimits, n_ctx: int) -> ResponsesRequest:
     """Check a ``/v1/responses`` body; the chat fields it gives are in ``chat`` (checked again, with the
-    chat route's limits, when the chat request is parsed).
+    chat route's limits, when the chat request is parsed). ``n_ctx`` bounds ``max_output_tokens``.
 
     Raises:
         ApiError: 400 naming the first field at fault.
@@ -134,8 +134,9 @@ def parse_responses_request(body: dict[str, Any], limits: RequestLimits) -> Resp
     if max_output is not None:
         if isinstance(max_output, bool) or not isinstance(max_output, int):
             raise _bad("max_output_tokens", f"must be an integer, got {_short(max_output)}", "invalid_type")
-        if max_output < 1:
-            raise _bad("max_output_tokens", f"must be at least 1, got {max_output}")
+        if not 1 <= max_output <= n_ctx:
+            raise _bad("max_output_tokens", f"must be between 1 and the context size ({n_ctx} tokens), "
+                       f"got {max_output}")
         chat["max_tokens"] = max_output
     for name in ("temperature", "top_p", *_PASSED):
         if body.get(name) is not None:
@@ -201,7 +202,7 @@ def _input_messages(value: object, limits: RequestLimits) -> list[dict[str, Any]
 
 def _message(param: str, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise _bad(f"{param}.role", f"must be one of {', '.join(_ROLES)}, got {_short(role)}")
     return {"role": _ROLES[role], "content": _text_content(f"{param}.content", item.get("content"))}
 
@@ -215,6 +216,7 @@ def _text_content(param: str, content: object) -> str:
     texts = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
+        kind = kind if isinstance(kind, str) else None  # a list or object is no type (nor hashable)
         if kind in ("input_image", "input_file", "input_audio"):
             raise _unsupported(f"{param}[{index}]", f"{kind} content (this server serves a text model)")
         text = part.get("refusal" if kind == "refusal" else "text") if isinstance(part, dict) else None
@@ -327,14 +329,16 @@ class ResponsesService:
         registry: the app's metrics registry (the counters are added to it).
         limits: the chat route's request limits.
         model_name: the model's name, for a request that names none.
+        n_ctx: the context size (bounds ``max_output_tokens``).
     """
 
     def __init__(self, store: ResponseStore, registry: CollectorRegistry, limits: RequestLimits,
-                 model_name: str) -> None:
+                 model_name: str, n_ctx: int) -> None:
         self.store = store
         self.metrics = ResponsesMetrics(registry)
         self.limits = limits
         self.model_name = model_name
+        self.n_ctx = n_ctx
 
     def front(self, key_digest: bytes | None) -> ResponsesFront:
         """The front of one ``POST /v1/responses`` request presenting this key (its digest; None: none)."""
@@ -385,7 +389,7 @@ class ResponsesFront:
         Raises:
             ApiError: 400 for bad input; 404 for a ``previous_response_id`` unknown (expired, another key's).
         """
-        request = parse_responses_request(body, self._service.limits)
+        request = parse_responses_request(body, self._service.limits, self._service.n_ctx)
         self.request = request
         conversation: list[dict[str, Any]] = []
         if request.previous_response_id is not None:

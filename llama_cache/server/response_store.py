@@ -154,7 +154,10 @@ class StoredResponse:
 
 
 def _is_message(message: object) -> bool:
-    if not isinstance(message, dict) or message.get("role") not in _ROLES or not isinstance(message.get("content"), str):
+    if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+        return False
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
         return False
     call = message.get("tool_call_id")
     return call is None or isinstance(call, str)

@@ -53,13 +53,10 @@ def call_item(call_id: str, name: str, arguments: str, status: str = "completed"
 
 @dataclass
 class Output:
-    """What a chat answer gives: the output items, the status, and the text the answer's turn holds
-    (its message's text, or its calls' arguments: what a stored conversation keeps when the generated
-    tokens are not at hand)."""
+    """What a chat answer gives: its output items and its status (``completed`` or ``incomplete``)."""
 
     items: list[dict[str, Any]]
     status: str
-    calls: bool = False
 
     @property
     def incomplete_details(self) -> dict[str, Any] | None:
@@ -75,7 +72,7 @@ def output_of(completion: dict[str, Any]) -> Output:
     calls = message.get("tool_calls") or []
     if calls:
         return Output([call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
-                       for call in calls], status, calls=True)
+                       for call in calls], status)
     return Output([message_item(message.get("content") or "", status)], status)
 
 
