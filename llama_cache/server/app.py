@@ -316,10 +316,10 @@ class _Server:
             except ValueError as error:
                 raise ApiError(400, str(error), param="messages", code="invalid_value") from None
             param = "messages"
+        if front is not None:
+            tokens = front.rendered(tokens)
         if len(tokens) >= engine.n_ctx:
             raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
-        if front is not None:
-            front.rendered(tokens)
         return parsed, tokens, self._cached_length(tokens, fingerprint), namespace
 
     def _cached_length(self, tokens: list[int], fingerprint: str) -> int:
@@ -420,6 +420,8 @@ class _Server:
         def call(llama: SlotLlama) -> Any:
             llama.set_cache_namespace(namespace)  # before anything reads the context's live tokens
             run.llama = llama
+            if front is not None:
+                llama.prompt_substitute = front.substitute  # reset by run_job
             if parsed.stream:
                 chunks = run.stream(sampling.include_usage)
                 return chunks if front is None else front.stream(chunks, llama)
@@ -706,7 +708,7 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
     store = open_store(redis_url=settings.redis_url, cache_dir=settings.cache_dir, ttl=settings.responses_ttl,
                        capacity_bytes=settings.responses_store_bytes, max_record_bytes=settings.responses_max_bytes)
     server.responses = ResponsesService(store, server.metrics.registry, engine.limits, engine.model_name,
-                                        engine.n_ctx)
+                                        engine.n_ctx, tokenizer=engine.pool.slots[0].llama)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)

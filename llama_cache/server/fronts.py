@@ -6,9 +6,11 @@ request's answer back: the same validation, limits, tenants, routing, prompt cac
 The app (:meth:`._Server._complete`) calls a front at four points of a request's life, in this order:
 
 1. :meth:`ChatFront.chat_body` in the parsing thread, with the decoded body: the chat request's body;
-2. :meth:`ChatFront.rendered` in the parsing thread, with the prompt's tokens once rendered;
-3. in the request's worker thread, with its context: :meth:`ChatFront.whole` with the chat completion
-   (not streamed), or :meth:`ChatFront.stream` over the chat chunks (streamed);
+2. :meth:`ChatFront.rendered` in the parsing thread, with the prompt's tokens once rendered: the
+   tokens to route and evaluate instead;
+3. in the request's worker thread, with its context: :meth:`ChatFront.substitute` as the context's
+   ``prompt_substitute``, then :meth:`ChatFront.whole` with the chat completion (not streamed), or
+   :meth:`ChatFront.stream` over the chat chunks (streamed);
 4. :meth:`ChatFront.encode` on the event loop, for each item a stream sends (errors included).
 """
 
@@ -30,8 +32,14 @@ class ChatFront(Protocol):
         """
         ...
 
-    def rendered(self, tokens: list[int]) -> None:
-        """Told the tokens of the chat request's rendered prompt (before it is queued)."""
+    def rendered(self, tokens: list[int]) -> list[int]:
+        """The tokens to evaluate for the chat request's rendered prompt ``tokens`` (before it is queued):
+        ``tokens``, or tokens of the same text."""
+        ...
+
+    def substitute(self, prompt: list[int]) -> list[int]:
+        """The tokens to evaluate for a completion's ``prompt``: what :meth:`rendered` returned when
+        ``prompt`` is the rendered prompt, else ``prompt``."""
         ...
 
     def whole(self, completion: dict[str, Any], llama: Any) -> dict[str, Any]:

@@ -24,11 +24,14 @@ input), never ignored.
 (:mod:`.response_store`) with the conversation it ends and the tokens its context held: the prompt and
 the generated tokens. A request naming it as ``previous_response_id`` renders the whole conversation
 (the previous ones' messages, its own input, under its own ``instructions``: they are not inherited) with
-the chat template; when the stored tokens are a prefix of that rendering (counted in
-``llama_cache_responses_continued_total``) the prompt cache holds their state (saved when the previous
-answer ended, in every tier: any instance restores it), so only the new tokens are evaluated. A template
-that renders earlier turns differently later is not prefix-stable: such renders are counted in
-``llama_cache_responses_rerendered_total`` and served from the cache's longest prefix. A stored
+the chat template. When the stored tokens are a prefix of that rendering, or their text a prefix of its
+text (the model may have written a text token by token that tokenizes otherwise once rendered: JSON's
+spacing, say), the prompt is the stored tokens and the rest of the rendering tokenized (counted in
+``llama_cache_responses_continued_total``): the prompt cache holds their state (saved when the
+previous answer ended, in every tier: any instance restores it), so only the new tokens are evaluated.
+A template that renders earlier turns differently later is not prefix-stable: such renders are counted
+in ``llama_cache_responses_rerendered_total``, evaluated as rendered, and served from the cache's
+longest prefix. A stored
 response is bound to the API key that made it (:func:`.response_store.owner_of`): for another key, an
 unknown id and an expired one alike, it is a 404 in OpenAI's error shape.
 
@@ -330,11 +333,14 @@ class ResponsesService:
         limits: the chat route's request limits.
         model_name: the model's name, for a request that names none.
         n_ctx: the context size (bounds ``max_output_tokens``).
+        tokenizer: a context of the model, whose ``tokenize`` and ``detokenize`` (thread-safe: they read
+            the shared vocabulary only) join a rendering's text to stored tokens.
     """
 
     def __init__(self, store: ResponseStore, registry: CollectorRegistry, limits: RequestLimits,
-                 model_name: str, n_ctx: int) -> None:
+                 model_name: str, n_ctx: int, tokenizer: Any = None) -> None:
         self.store = store
+        self.tokenizer = tokenizer
         self.metrics = ResponsesMetrics(registry)
         self.limits = limits
         self.model_name = model_name
@@ -379,6 +385,7 @@ class ResponsesFront:
         self.request: ResponsesRequest | None = None
         self._previous: StoredResponse | None = None
         self._conversation: list[dict[str, Any]] = []
+        self._rendered: list[int] = []
         self._prompt: list[int] = []
 
     # -- the request -----------------------------------------------------------------------------
@@ -409,16 +416,42 @@ class ResponsesFront:
             raise _bad("input", "holds no message")
         return chat
 
-    def rendered(self, tokens: list[int]) -> None:
-        self._prompt = list(tokens)
+    def rendered(self, tokens: list[int]) -> list[int]:
+        """The prompt: the previous response's tokens and the rest of ``tokens``' text, when that text
+        starts with theirs; else ``tokens`` (counted as a re-render)."""
+        self._rendered = list(tokens)
+        self._prompt = self._rendered
         previous = self._previous
         if previous is None:
-            return
+            return self._prompt
         stored = previous.tokens
         if len(stored) <= len(tokens) and tokens[: len(stored)] == stored:
             self._service.metrics.continued.inc()
-        else:
+            return self._prompt
+        joined = self._joined(stored, tokens)
+        if joined is None:
             self._service.metrics.rerendered.inc()
+            return self._prompt
+        self._service.metrics.continued.inc()
+        self._prompt = joined
+        return joined
+
+    def _joined(self, stored: list[int], tokens: list[int]) -> list[int] | None:
+        """``stored`` and the tokens of the rest of ``tokens``' text, if that text starts with ``stored``'s."""
+        tokenizer = self._service.tokenizer
+        if tokenizer is None or not stored:
+            return None
+        try:
+            head = tokenizer.detokenize(stored, special=True)
+            whole = tokenizer.detokenize(tokens, special=True)
+        except ValueError:  # a stored token outside this vocabulary
+            return None
+        if len(whole) <= len(head) or not whole.startswith(head):
+            return None
+        return list(stored) + tokenizer.tokenize(whole[len(head):], add_bos=False, special=True)
+
+    def substitute(self, prompt: list[int]) -> list[int]:
+        return self._prompt if self._prompt is not self._rendered and list(prompt) == self._rendered else prompt
 
     # -- the answer ------------------------------------------------------------------------------
 
