@@ -318,9 +318,9 @@ class ResponsesMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.continued = Counter("llama_cache_responses_continued", "Follow-ups (previous_response_id) whose "
-                                 "rendering starts with the previous response's tokens", registry=registry)
+                                 "prompt continues from the previous response's tokens", registry=registry)
         self.rerendered = Counter("llama_cache_responses_rerendered", "Follow-ups (previous_response_id) whose "
-                                  "rendering does not start with the previous response's tokens (served from "
+                                  "rendering does not start with the previous response's text (served from "
                                   "the prompt cache's longest prefix)", registry=registry)
 
 
