@@ -24,7 +24,7 @@ from llama_cache.server.response_store import (
     new_response_id,
     owner_of,
 )
-from llama_cache.testing.redis_server import RedisServer, redis_available
+from llama_cache.testing.redis_server import RedisCluster, RedisServer, redis_available
 
 KINDS = ["memory", "disk", "redis"]
 
@@ -246,3 +246,17 @@ def test_a_redis_store_that_cannot_be_reached_fails_softly(caplog: pytest.LogCap
         assert not store.delete(record.id, "")
     assert "failed" in caplog.text
     store.close()
+
+
+def test_a_redis_cluster_holds_the_records() -> None:
+    """The records and their index share one hash tag: one slot, so the scripts run on a cluster too."""
+    if not redis_available():
+        pytest.skip("redis-server is not installed")
+    with RedisCluster(3) as cluster:
+        store = RedisResponseStore(cluster.url)
+        record = _record()
+        assert store.put(record)
+        assert store.get(record.id, "") is not None
+        assert store.delete(record.id, "")
+        assert store.get(record.id, "") is None
+        store.close()
