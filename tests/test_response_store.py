@@ -171,6 +171,7 @@ def _tampered(record: StoredResponse) -> dict[str, Any]:
         "another id": json.dumps({**good, "id": new_response_id()}).encode(),
         "owner not a string": json.dumps({**good, "owner": 7}).encode(),
         "expiry a string": json.dumps({**good, "expires_at": "soon"}).encode(),
+        "expiry infinite": json.dumps({**good, "expires_at": float("inf")}).encode(),
         "response not an object": json.dumps({**good, "response": []}).encode(),
         "response of another id": json.dumps({**good, "response": {**good["response"], "id": "resp_x"}}).encode(),
         "output not a list": json.dumps({**good, "response": {**good["response"], "output": "x"}}).encode(),

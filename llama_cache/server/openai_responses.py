@@ -167,7 +167,7 @@ def parse_responses_request(body: dict[str, Any], limits: RequestLimits, n_ctx: 
     echo = {
         "instructions": instructions, "max_output_tokens": max_output, "metadata": metadata or {},
         "parallel_tool_calls": flags["parallel_tool_calls"], "previous_response_id": previous,
-        "store": flags["store"], "temperature": chat.get("temperature", 1.0), "top_p": chat.get("top_p", 1.0),
+        "store": flags["store"], "temperature": chat.get("temperature"), "top_p": chat.get("top_p"),
         "text": text_echo, "tool_choice": tool_choice if tool_choice is not None else "auto", "tools": tools,
         "truncation": "disabled", "user": user, "reasoning": {"effort": None, "summary": None},
         "background": False, "service_tier": "default",
@@ -387,6 +387,7 @@ class ResponsesFront:
         self._conversation: list[dict[str, Any]] = []
         self._rendered: list[int] = []
         self._prompt: list[int] = []
+        self._events: ResponseEvents | None = None  # a stream's, once it starts
 
     # -- the request -----------------------------------------------------------------------------
 
@@ -483,11 +484,10 @@ class ResponsesFront:
 
     def encode(self, item: Any) -> bytes:
         if isinstance(item, ApiError):
-            events = getattr(self, "_events", None)
-            event = (events.error(item.code, item.message, item.param) if events is not None else
-                     {"type": "error", "sequence_number": 0, "code": item.code, "message": item.message,
-                      "param": item.param})
-            item = event
+            events = self._events
+            item = (events.error(item.code, item.message, item.param) if events is not None else
+                    {"type": "error", "sequence_number": 0, "code": item.code, "message": item.message,
+                     "param": item.param})
         return f"event: {item['type']}\ndata: {json.dumps(item, ensure_ascii=False)}\n\n".encode()
 
     @property

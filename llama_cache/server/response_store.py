@@ -33,7 +33,9 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import re
+import secrets
 import sqlite3
 import threading
 import time
@@ -61,8 +63,6 @@ _MAX_TOKEN = 1 << 30
 
 def new_response_id() -> str:
     """A fresh response id: ``resp_`` and 192 random bits (unguessable)."""
-    import secrets
-
     return "resp_" + secrets.token_hex(24)
 
 
@@ -129,7 +129,7 @@ class StoredResponse:
         owner, expires, response = value.get("owner"), value.get("expires_at"), value.get("response")
         if not isinstance(owner, str) or len(owner) > 64:
             raise BadRecord("a bad owner")
-        if isinstance(expires, bool) or not isinstance(expires, (int, float)) or expires != expires:
+        if isinstance(expires, bool) or not isinstance(expires, (int, float)) or not math.isfinite(expires):
             raise BadRecord("a bad expiry")
         if not isinstance(response, dict) or response.get("id") != response_id or not isinstance(
                 response.get("output"), list):
