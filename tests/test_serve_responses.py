@@ -173,6 +173,26 @@ def test_a_required_function_call_then_its_output(server: LiveServer, client: op
     assert after == [before[0] + 1, before[1]]
 
 
+def test_a_history_sent_back_whole_continues_from_the_stored_tokens(client: openai.OpenAI) -> None:
+    """An agent that re-sends its whole history (no previous_response_id) sends back the items this
+    server made: their ids name the stored response, whose tokens the prompt goes on from."""
+    question = {"role": "user", "content": f"What is the time in Lima? ({_nonce()})"}
+    first = client.responses.create(input=[question], tools=[WEATHER, TIME], tool_choice="required",
+                                    max_output_tokens=80, temperature=0)
+    (call,) = first.output
+    assert call.id is not None and call.id.startswith("fc_") and first.id[5:] in call.id
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "Noon."}
+    history = [question, call.model_dump(exclude_none=True), output]
+    second = client.responses.create(input=history, tools=[WEATHER, TIME], max_output_tokens=8, store=False)
+    assert second.usage is not None and first.usage is not None
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens + first.usage.output_tokens - 1
+    # An item changed on the way back is rendered as sent: still served, from the prompt's cache.
+    changed = {**call.model_dump(exclude_none=True), "arguments": json.dumps({"city": "Quito"})}
+    third = client.responses.create(input=[question, changed, output], tools=[WEATHER, TIME], max_output_tokens=8,
+                                    store=False)
+    assert third.usage is not None and third.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
 def test_a_streamed_function_call(client: openai.OpenAI) -> None:
     for choice in ({"type": "function", "name": "get_weather"}, "required"):
         events = list(client.responses.create(input="Weather in Oslo?", tools=[WEATHER], tool_choice=choice,

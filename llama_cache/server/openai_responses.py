@@ -31,7 +31,9 @@ spacing, say), the prompt is the stored tokens and the rest of the rendering tok
 previous answer ended, in every tier: any instance restores it), so only the new tokens are evaluated.
 A template that renders earlier turns differently later is not prefix-stable: such renders are counted
 in ``llama_cache_responses_rerendered_total``, evaluated as rendered, and served from the cache's
-longest prefix. A stored
+longest prefix. A request that sends its whole history back instead names, through the ids of the
+output items it sends back (:func:`.responses_shapes.item_id`), the stored response it goes on from:
+those items are rendered as the model wrote them, and the prompt continues from its tokens the same way. A stored
 response is bound to the API key that made it (:func:`.response_store.owner_of`): for another key, an
 unknown id and an expired one alike, it is a 404 in OpenAI's error shape.
 
@@ -55,7 +57,7 @@ from llama_cache.server.contexts import live_tokens
 from llama_cache.server.errors import ApiError
 from llama_cache.server.limits import RequestLimits, limit_error
 from llama_cache.server.response_store import ResponseStore, StoredResponse, is_response_id, new_response_id, owner_of
-from llama_cache.server.responses_shapes import ResponseEvents, output_of, usage_of
+from llama_cache.server.responses_shapes import ResponseEvents, item_origin, output_of, usage_of
 
 __all__ = ["ResponsesFront", "ResponsesRequest", "ResponsesService", "parse_responses_request"]
 
@@ -67,12 +69,18 @@ _PASSED = ("seed", "top_k", "min_p", "cache_salt")
 _REFUSED = {"background": "background responses", "conversation": "the Conversations API",
             "prompt": "prompt templates"}
 _MAX_METADATA = 16
+# Stored responses one request may look up for the items it sends back (each a store read).
+_MAX_ORIGINS = 8
 
 
 @dataclass
 class ResponsesRequest:
     """A checked ``POST /v1/responses`` body: its new input as chat messages, and what the response
-    object echoes (``echo``: instructions, tools, tool_choice, text, ... as OpenAI returns them)."""
+    object echoes (``echo``: instructions, tools, tool_choice, text, ... as OpenAI returns them).
+
+    ``origins``: the assistant items of ``input`` that this server made (their ids name their response:
+    :func:`.responses_shapes.item_origin`), as (index in ``messages``, response id, output index, item).
+    """
 
     messages: list[dict[str, Any]]
     instructions: str | None
@@ -82,6 +90,7 @@ class ResponsesRequest:
     model: str | None
     chat: dict[str, Any] = field(default_factory=dict)
     echo: dict[str, Any] = field(default_factory=dict)
+    origins: list[tuple[int, str, int, dict[str, Any]]] = field(default_factory=list)
 
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> ApiError:
@@ -131,7 +140,7 @@ def parse_responses_request(body: dict[str, Any], limits: RequestLimits, n_ctx: 
         raise _bad("previous_response_id", f"must be a string, got {_short(previous)}", "invalid_type")
     if "input" not in body or body["input"] is None:
         raise ApiError(400, "'input' is required", param="input", code="missing")
-    messages = _input_messages(body["input"], limits)
+    messages, origins = _input_messages(body["input"], limits)
     chat: dict[str, Any] = {}
     max_output = body.get("max_output_tokens")
     if max_output is not None:
@@ -173,23 +182,30 @@ def parse_responses_request(body: dict[str, Any], limits: RequestLimits, n_ctx: 
         "background": False, "service_tier": "default",
     }
     return ResponsesRequest(messages=messages, instructions=instructions, previous_response_id=previous,
-                            store=flags["store"], stream=flags["stream"], model=model, chat=chat, echo=echo)
+                            store=flags["store"], stream=flags["stream"], model=model, chat=chat, echo=echo,
+                            origins=origins)
 
 
-def _input_messages(value: object, limits: RequestLimits) -> list[dict[str, Any]]:
-    """``input`` as chat messages."""
+def _input_messages(value: object, limits: RequestLimits
+                    ) -> tuple[list[dict[str, Any]], list[tuple[int, str, int, dict[str, Any]]]]:
+    """``input`` as chat messages, and the origins of the assistant items this server made (see
+    :class:`ResponsesRequest`)."""
     if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+        return [{"role": "user", "content": value}], []
     if not isinstance(value, list):
         raise _bad("input", f"must be a string or a list of items, got {_short(value)}", "invalid_type")
     if len(value) > limits.max_messages:
         raise limit_error("input", f"holds {len(value)} items; this server accepts at most {limits.max_messages}")
-    messages = []
+    messages: list[dict[str, Any]] = []
+    origins = []
     for index, item in enumerate(value):
         param = f"input[{index}]"
         if not isinstance(item, dict):
             raise _bad(param, f"must be an object, got {_short(item)}", "invalid_type")
         kind = item.get("type", "message")
+        origin = item_origin(item.get("id")) if kind in ("message", "function_call") else None
+        if origin is not None and (kind == "function_call" or item.get("role") == "assistant"):
+            origins.append((len(messages), origin[0], origin[1], item))
         if kind == "message":
             messages.append(_message(param, item))
         elif kind == "function_call":
@@ -200,7 +216,7 @@ def _input_messages(value: object, limits: RequestLimits) -> list[dict[str, Any]
             continue
         else:
             raise _unsupported(f"{param}.type", f"an input item of type {_short(kind)}")
-    return messages
+    return messages, origins
 
 
 def _message(param: str, item: dict[str, Any]) -> dict[str, Any]:
@@ -317,7 +333,8 @@ class ResponsesMetrics:
     """The Responses API's own counters, in the app's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.continued = Counter("llama_cache_responses_continued", "Follow-ups (previous_response_id) whose "
+        self.continued = Counter("llama_cache_responses_continued", "Follow-ups (previous_response_id, or a "
+                                 "history sending back this server's output items) whose "
                                  "prompt continues from the previous response's tokens", registry=registry)
         self.rerendered = Counter("llama_cache_responses_rerendered", "Follow-ups (previous_response_id) whose "
                                   "rendering does not start with the previous response's text (served from "
@@ -384,6 +401,7 @@ class ResponsesFront:
         self.created_at = int(time.time())
         self.request: ResponsesRequest | None = None
         self._previous: StoredResponse | None = None
+        self._continues: StoredResponse | None = None  # the stored response this prompt may continue
         self._conversation: list[dict[str, Any]] = []
         self._rendered: list[int] = []
         self._prompt: list[int] = []
@@ -406,6 +424,8 @@ class ResponsesFront:
                 raise not_found(request.previous_response_id, "previous_response_id")
             self._previous = previous
             conversation = list(previous.conversation)
+        last = self._restore_turns(request)
+        self._continues = self._previous or last
         self._conversation = conversation + request.messages
         system = [{"role": "system", "content": request.instructions}] if request.instructions is not None else []
         chat = {"messages": system + self._conversation, "stream": request.stream, **request.chat}
@@ -417,12 +437,32 @@ class ResponsesFront:
             raise _bad("input", "holds no message")
         return chat
 
+    def _restore_turns(self, request: ResponsesRequest) -> StoredResponse | None:
+        """Give the assistant items sent back that this server made the text the model wrote for them
+        (a call's own spacing: what its stored response's tokens hold), when they are as it made them;
+        the stored response of the last of them (None: not found, or not this key's)."""
+        found: dict[str, StoredResponse | None] = {}
+        last = None
+        for position, response_id, index, item in request.origins:
+            if response_id not in found:
+                if len(found) >= _MAX_ORIGINS:
+                    continue
+                found[response_id] = self._service.store.get(response_id, self._owner)
+            record = found[response_id]
+            turn = _stored_turn(record, index, item) if record is not None else None
+            if turn is not None:
+                request.messages[position]["content"] = turn
+            last = record
+        return last
+
     def rendered(self, tokens: list[int]) -> list[int]:
-        """The prompt: the previous response's tokens and the rest of ``tokens``' text, when that text
-        starts with theirs; else ``tokens`` (counted as a re-render)."""
+        """The prompt: the tokens of the stored response it goes on from (its ``previous_response_id``,
+        or the response that made the last assistant item it sends back) and the rest of ``tokens``'
+        text, when that text starts with theirs; else ``tokens`` (a follow-up of ``previous_response_id``
+        is then counted as re-rendered)."""
         self._rendered = list(tokens)
         self._prompt = self._rendered
-        previous = self._previous
+        previous = self._continues
         if previous is None:
             return self._prompt
         stored = previous.tokens
@@ -431,7 +471,8 @@ class ResponsesFront:
             return self._prompt
         joined = self._joined(stored, tokens)
         if joined is None:
-            self._service.metrics.rerendered.inc()
+            if self._previous is not None:
+                self._service.metrics.rerendered.inc()
             return self._prompt
         self._service.metrics.continued.inc()
         self._prompt = joined
@@ -457,14 +498,15 @@ class ResponsesFront:
     # -- the answer ------------------------------------------------------------------------------
 
     def whole(self, completion: dict[str, Any], llama: Any) -> dict[str, Any]:
-        output = output_of(completion)
+        output = output_of(completion, self.id)
         response = self._response(output.status, output.items, usage_of(completion.get("usage")),
                                   output.incomplete_details, completion)
         self._store(response, output.items, llama)
         return response
 
     def stream(self, chunks: Iterator[Any], llama: Any) -> Iterator[Any]:
-        events = ResponseEvents(lambda status, items, usage, details: self._response(status, items, usage, details))
+        events = ResponseEvents(lambda status, items, usage, details: self._response(status, items, usage, details),
+                                self.id)
         self._events = events
         yield from events.start()
         finished = False
@@ -532,3 +574,29 @@ class ResponsesFront:
             if item["arguments"] in text or item["name"] in text:
                 return text
         return call_text(item["name"], item["arguments"])
+
+
+def _stored_turn(record: StoredResponse, index: int, item: dict[str, Any]) -> str | None:
+    """The conversation turn ``record`` keeps for its output item ``index``, if ``item`` (sent back by a
+    client) is that item as it was made; None otherwise (the client changed it, or the record does not
+    hold it)."""
+    output = record.response.get("output")
+    turns = record.conversation
+    if not isinstance(output, list) or not 0 <= index < len(output) or len(output) > len(turns):
+        return None
+    made = output[index]
+    if not isinstance(made, dict) or made.get("type") != item.get("type", "message"):
+        return None
+    if made.get("type") == "function_call":
+        if (made.get("name"), made.get("arguments")) != (item.get("name"), item.get("arguments")):
+            return None
+    else:
+        try:
+            sent = _text_content("input", item.get("content"))
+        except ApiError:
+            return None
+        parts = made.get("content")
+        text = parts[0].get("text") if isinstance(parts, list) and parts and isinstance(parts[0], dict) else None
+        if sent != text:
+            return None
+    return turns[len(turns) - len(output) + index]["content"]

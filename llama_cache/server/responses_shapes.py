@@ -11,6 +11,11 @@ tokens not evaluated: restored from the prompt cache or live in the context), ``
 ``output_tokens_details.reasoning_tokens`` (0: the model answers without a reasoning channel),
 ``total_tokens``.
 
+Output item ids name their response: ``msg_`` or ``fc_``, the response id's 48 hex digits, then the item's
+index in the output as 2 hex digits (:func:`item_id`, :func:`item_origin`), so that an item a client
+sends back (an agent re-sending its whole history) leads to the stored response that made it. They are
+as unguessable as the response id, and only ever shown to the key that made the response.
+
 :class:`ResponseEvents` turns a chat chunk stream into the documented event sequence, every event with
 its ``sequence_number`` (0, 1, ...): ``response.created``, ``response.in_progress``, then per output
 item ``response.output_item.added``; for a message ``response.content_part.added``,
@@ -22,21 +27,37 @@ call ``response.function_call_arguments.delta`` ..., ``response.function_call_ar
 from __future__ import annotations
 
 import itertools
+import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Output", "ResponseEvents", "output_of", "usage_of"]
+__all__ = ["Output", "ResponseEvents", "item_id", "item_origin", "output_of", "usage_of"]
+
+_ITEM_ID = re.compile(r"(?:msg|fc)_([0-9a-f]{48})([0-9a-f]{2})")
+_MAX_ITEMS = 256
 
 
-def _item_id(prefix: str) -> str:
+def item_id(kind: str, response_id: str, index: int) -> str:
+    """The id of output item ``index`` (``kind`` ``"message"`` or ``"function_call"``) of ``response_id``."""
+    prefix = "msg" if kind == "message" else "fc"
+    return f"{prefix}_{response_id.removeprefix('resp_')}{index % _MAX_ITEMS:02x}"
+
+
+def item_origin(value: object) -> tuple[str, int] | None:
+    """The response id and output index an item id made by :func:`item_id` names; None for any other."""
+    match = _ITEM_ID.fullmatch(value) if isinstance(value, str) else None
+    return None if match is None else ("resp_" + match.group(1), int(match.group(2), 16))
+
+
+def _random_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(24)}"
 
 
 def message_item(text: str, status: str = "completed", item_id: str | None = None) -> dict[str, Any]:
     """An assistant ``message`` output item holding ``text``."""
-    return {"type": "message", "id": item_id or _item_id("msg"), "status": status, "role": "assistant",
+    return {"type": "message", "id": item_id or _random_id("msg"), "status": status, "role": "assistant",
             "content": [_text_part(text)] if status != "in_progress" else []}
 
 
@@ -47,7 +68,7 @@ def _text_part(text: str) -> dict[str, Any]:
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed",
               item_id: str | None = None) -> dict[str, Any]:
     """A ``function_call`` output item."""
-    return {"type": "function_call", "id": item_id or _item_id("fc"), "call_id": call_id, "name": name,
+    return {"type": "function_call", "id": item_id or _random_id("fc"), "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
 
 
@@ -63,17 +84,18 @@ class Output:
         return {"reason": "max_output_tokens"} if self.status == "incomplete" else None
 
 
-def output_of(completion: dict[str, Any]) -> Output:
-    """The output of a (shaped) ``chat.completion``: its tool calls as ``function_call`` items, or its
-    text as one ``message``."""
+def output_of(completion: dict[str, Any], response_id: str) -> Output:
+    """The output of a (shaped) ``chat.completion`` made for ``response_id``: its tool calls as
+    ``function_call`` items, or its text as one ``message``."""
     choice = completion["choices"][0]
     message = choice.get("message") or {}
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     calls = message.get("tool_calls") or []
     if calls:
-        return Output([call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
-                       for call in calls], status)
-    return Output([message_item(message.get("content") or "", status)], status)
+        return Output([call_item(call["id"], call["function"]["name"], call["function"]["arguments"],
+                                 item_id=item_id("function_call", response_id, index))
+                       for index, call in enumerate(calls)], status)
+    return Output([message_item(message.get("content") or "", status, item_id("message", response_id, 0))], status)
 
 
 def usage_of(usage: dict[str, Any] | None) -> dict[str, Any]:
@@ -106,14 +128,16 @@ class ResponseEvents:
 
     Args:
         snapshot: makes the response object at each stage (see :data:`Snapshot`).
+        response_id: the response's id (its items' ids name it: :func:`item_id`).
 
     Call :meth:`start` first, :meth:`chunk` for each chat chunk that has a choice, then :meth:`finish`
     once with the usage. :attr:`output` is the output streamed so far and :attr:`status` its status.
     ``sequence_number`` is drawn atomically, so :meth:`error` may be called from another thread.
     """
 
-    def __init__(self, snapshot: Snapshot) -> None:
+    def __init__(self, snapshot: Snapshot, response_id: str) -> None:
         self._snapshot = snapshot
+        self._response_id = response_id
         self._numbers = itertools.count()
         self._message: _Open | None = None
         self._calls: dict[int, _Open] = {}  # the chat call's index -> its item
@@ -162,6 +186,9 @@ class ResponseEvents:
 
     # -- items -----------------------------------------------------------------------------------
 
+    def _next_id(self, kind: str) -> str:
+        return item_id(kind, self._response_id, len(self.output))
+
     def _open(self, item: dict[str, Any]) -> tuple[_Open, dict[str, Any]]:
         opened = _Open(len(self.output), item)
         self.output.append(item)
@@ -170,7 +197,7 @@ class ResponseEvents:
     def _text_delta(self, text: str) -> list[dict[str, Any]]:
         events = []
         if self._message is None:
-            self._message, added = self._open(message_item("", "in_progress"))
+            self._message, added = self._open(message_item("", "in_progress", self._next_id("message")))
             events += [added, self.event("response.content_part.added", item_id=self._message.item["id"],
                                          output_index=self._message.index, content_index=0, part=_text_part(""))]
         if text:
@@ -185,8 +212,8 @@ class ResponseEvents:
         events = []
         opened = self._calls.get(index)
         if opened is None:
-            opened, added = self._open(call_item(call.get("id") or _item_id("call"), function.get("name") or "", "",
-                                                 "in_progress"))
+            opened, added = self._open(call_item(call.get("id") or _random_id("call"), function.get("name") or "", "",
+                                                 "in_progress", self._next_id("function_call")))
             self._calls[index] = opened
             events.append(added)
         fragment = function.get("arguments") or ""
@@ -224,7 +251,7 @@ class ResponseEvents:
                 self.event("response.output_item.done", output_index=opened.index, item=done),
             ]
         if not self.output:  # nothing was generated: an empty message, as a whole answer would give
-            item = message_item("", status)
+            item = message_item("", status, self._next_id("message"))
             self.output.append(item)
             events += [self.event("response.output_item.added", output_index=0, item=message_item("", "in_progress",
                                                                                                    item["id"])),
