@@ -723,3 +723,37 @@ def disk_io(results: Results) -> str:
         table(["measure", "before", "after", "after / before"], rows),
         conditions(run),
     ])
+
+
+# Serving: an agent loop over the Responses API (benchmarks/responses_agent.py) --------------------
+#
+# Not registered yet: its block joins docs/benchmarks.md ("An agent loop over the Responses API") with
+# the first result file measured on a quiet machine; then decorate it with @renders("responses-agent")
+# and add the block's markers there.
+
+
+def responses_agent(results: Results) -> str:
+    run = results["responses_agent"]
+    summary = run["summary"]
+    sides = list(summary)
+    steps = min(len(summary[side]["steps"]) for side in sides)
+    rows = []
+    for index in range(steps):
+        row: list[object] = [index + 1]
+        for side in sides:
+            step = summary[side]["steps"][index]
+            cached = step.get("cached_tokens")
+            tokens = (f", {num(cached, 0)} of {num(step['prompt_tokens'], 0)} cached"
+                      if cached is not None and step.get("prompt_tokens") else "")
+            row.append(f"{ms(step['ttft'])} ms, {num(step['sent_bytes'], 0)} B{tokens}")
+        rows.append(row)
+    rows.append(["mean TTFT after step 1", *(f"{ms(summary[side]['ttft_later_mean'])} ms" for side in sides)])
+    rows.append(["bytes sent in all", *(f"{num(summary[side]['sent_bytes_total'], 0)} B" for side in sides)])
+    settings = run["servers_settings"]
+    head = (f"{run['steps']} steps under ~{run['system_words']}-word instructions, each sending a "
+            f"~{run['observation_words']}-word tool result and streaming {run['max_tokens']} tokens at temperature 0; "
+            f"every server with n_ctx {settings['n_ctx']}, {settings['parallel']} slot(s), {settings['threads']} "
+            f"threads, batch {settings['n_batch']}, flash attention {'on' if settings['flash_attn'] else 'off'}, "
+            f"started afresh per run; medians over {run['rounds']} rounds, order rotated. Sides: "
+            + "; ".join(f"`{side}`: {label}" for side, label in run["sides"].items()) + ".")
+    return "\n\n".join([head, table(["step", *(f"`{side}`" for side in sides)], rows), conditions(run)])

@@ -12,6 +12,11 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
 - :mod:`.refusals`, :mod:`.schema_nodes`, :mod:`.schema_refusals`, :mod:`.schema_ending`,
   :mod:`.grammar_refusals`, :mod:`.ending`: why a schema or grammar is refused, and where in it.
 - :mod:`.responses`: structured answers in OpenAI's shapes (a named function's call as ``tool_calls``).
+- :mod:`.fronts`: the seam through which another API rides the chat route, translated per request.
+- :mod:`.openai_responses`: OpenAI's Responses API over it (``/v1/responses``), server-side conversations;
+  :mod:`.responses_request`: its requests checked; :mod:`.responses_shapes`: its response objects and
+  stream events; :mod:`.response_store`: the stored responses (RAM, disk or Redis), bounded, expiring
+  and bound to their API key.
 - :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
 - :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
 - :mod:`.compute`: the one thread on which every context evaluates, in rounds.

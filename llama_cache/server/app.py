@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP app: one thin route per endpoint over a :class:`~.slots.SlotPool`.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
-``stream`` is true), ``GET /v1/models`` (each also without ``/v1``), ``POST /tokenize`` and
-``POST /detokenize`` (llama-server's shapes), ``GET /health``, ``GET /metrics``; ``POST /v1/messages``
-and ``POST /v1/messages/count_tokens``, Anthropic's Messages API, served as the chat requests they ask
-for (:mod:`.dialects`, :mod:`.anthropic`).
+``stream`` is true), ``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}`` (OpenAI's
+Responses API, translated to and from a chat request: :mod:`.openai_responses`), ``GET /v1/models`` (each
+also without ``/v1``), ``POST /tokenize`` and ``POST /detokenize`` (llama-server's shapes), ``GET /health``,
+``GET /metrics``; ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``, Anthropic's Messages API,
+served as the chat requests they ask for (:mod:`.dialects`, :mod:`.anthropic`).
 
 Before any route, :mod:`.access` answers CORS preflights and refuses requests without a valid API key
 (when keys are configured).
@@ -71,7 +72,10 @@ from llama_cache.server.protocol import (
     parse_json_body,
 )
 from llama_cache.server.engine import Engine
-from llama_cache.server.transport import END, Disconnect, read_body
+from llama_cache.server.fronts import ChatFront
+from llama_cache.server.openai_responses import ResponsesService, not_found
+from llama_cache.server.response_store import open_store
+from llama_cache.server.transport import END, Disconnect, EventStream, read_body
 from llama_cache.server.contexts import (
     PromptTooLong,
     RenderingCancelled,
@@ -130,6 +134,7 @@ class _Server:
         detokenize = engine.pool.slots[0].llama.detokenizer.detokenize  # reads the shared vocabulary only
         self.anthropic = AnthropicDialect(detokenize)
         self.anthropic_counting = AnthropicDialect(detokenize, counting=True)
+        self.responses: ResponsesService | None = None  # set by create_app
 
     @property
     def cut(self) -> asyncio.Event:
@@ -176,6 +181,26 @@ class _Server:
         except UtilityBusy:
             return self._answer(endpoint, dialect.error(_utilities_busy()))
         return self._answer(endpoint, JSONResponse({"input_tokens": len(tokens)}))
+
+    async def create_response(self, request: Request) -> Response:
+        assert self.responses is not None
+        return await self._complete(request, "/v1/responses",
+                                    front=self.responses.front(request_key_digest(request.scope)))
+
+    async def stored_response(self, request: Request) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}``: a stored response of the request's key, or a 404."""
+        assert self.responses is not None
+        endpoint = "/v1/responses/{response_id}"
+        response_id = request.path_params["response_id"]
+        digest = request_key_digest(request.scope)
+        if request.method == "DELETE":
+            deleted = await asyncio.to_thread(self.responses.delete, response_id, digest)
+            body = {"id": response_id, "object": "response.deleted", "deleted": True} if deleted else None
+        else:
+            body = await asyncio.to_thread(self.responses.retrieve, response_id, digest)
+        if body is None:
+            return self._answer(endpoint, _error_response(not_found(response_id)))
+        return self._answer(endpoint, JSONResponse(body))
 
     async def models(self, request: Request) -> Response:
         engine = self.engine
@@ -277,7 +302,8 @@ class _Server:
     # -- completions ------------------------------------------------------------------------------
 
     def _parse(self, endpoint: str, raw: bytes, job: Job, key_digest: bytes | None, dialect: Dialect = OPENAI,
-               counting: bool = False) -> tuple[CompletionRequest | ChatRequest, list[int], int, str | None]:
+               counting: bool = False, front: ChatFront | None = None
+               ) -> tuple[CompletionRequest | ChatRequest, list[int], int, str | None]:
         """The validated request, its prompt's tokens, how many of them the prompt cache would restore
         (0 when ``counting``: not asked) and its cache namespace (its API key's, as ``key_digest`` names
         it, and its ``cache_salt``: see :meth:`.Engine.cache_namespace`). Runs in a thread, beside
@@ -287,7 +313,8 @@ class _Server:
         Everything a request may cost is checked before the work it bounds (:mod:`.limits`): the body's
         values, then the fields, the schemas and the text's size, then the template is rendered and the
         rendered prompt's size checked, then it is tokenized. A cancelled ``job`` (its client left) stops
-        before tokenizing.
+        before tokenizing. With a ``front`` (another API), the body is that API's request, which it
+        translates into a chat request's body first (:mod:`.fronts`).
 
         Raises:
             ApiError: 400 for bad input, a request past a limit or a prompt that does not fit the context.
@@ -297,7 +324,9 @@ class _Server:
         limits = engine.limits
         body = parse_json_body(raw)
         check_json_values(raw, body)
-        if endpoint != "/v1/completions":
+        if front is not None:
+            body = front.chat_body(body)
+        elif endpoint != "/v1/completions":
             body = dialect.chat_body(body)
         tokenizer = engine.pool.slots[0].llama  # tokenizing reads the shared vocabulary only
         parsed: CompletionRequest | ChatRequest
@@ -329,6 +358,8 @@ class _Server:
             except ValueError as error:
                 raise ApiError(400, str(error), param="messages", code="invalid_value") from None
             param = "messages"
+        if front is not None:
+            tokens = front.rendered(tokens)
         if len(tokens) >= engine.n_ctx:
             raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
         return parsed, tokens, 0 if counting else self._cached_length(tokens, fingerprint), namespace
@@ -361,10 +392,10 @@ class _Server:
                            code=error.code) from None
 
     def _run(self, parsed: CompletionRequest | ChatRequest, tokens: list[int], job: Job,
-             constraints: list[SequenceConstraint] | None = None, namespace: str | None = None
-             ) -> Callable[[SlotLlama], Any]:
+             constraints: list[SequenceConstraint] | None = None, namespace: str | None = None,
+             front: ChatFront | None = None) -> Callable[[SlotLlama], Any]:
         """What the request's worker thread runs: its choices (:class:`.ChoiceRun`), whole or streamed,
-        in its cache namespace."""
+        in its cache namespace; their answer translated by ``front``, if given."""
         model = parsed.model or self.engine.model_name
         sampling = parsed.sampling
         bias = LogitBias(sampling.logit_bias) if sampling.logit_bias else None
@@ -431,11 +462,18 @@ class _Server:
         def call(llama: SlotLlama) -> Any:
             llama.set_cache_namespace(namespace)  # before anything reads the context's live tokens
             run.llama = llama
-            return run.stream(sampling.include_usage) if parsed.stream else run.complete()
+            if front is not None:
+                llama.prompt_substitute = front.substitute  # reset by run_job
+            if parsed.stream:
+                chunks = run.stream(sampling.include_usage)
+                return chunks if front is None else front.stream(chunks, llama)
+            result = run.complete()
+            return result if front is None else front.whole(result, llama)
 
         return call
 
-    async def _complete(self, request: Request, endpoint: str, dialect: Dialect = OPENAI) -> Response:
+    async def _complete(self, request: Request, endpoint: str, dialect: Dialect = OPENAI,
+                        front: ChatFront | None = None) -> Response:
         started = time.monotonic()
         try:
             if self.stopping:
@@ -450,7 +488,7 @@ class _Server:
             try:
                 key_digest = request_key_digest(request.scope)
                 parsed, tokens, cached, namespace = await asyncio.to_thread(self._parse, endpoint, raw, job,
-                                                                            key_digest, dialect)
+                                                                            key_digest, dialect, False, front)
                 constraints = None
                 if parsed.structured is not None:
                     constraints = await asyncio.to_thread(self._constraints, parsed.structured, parsed.sampling.n)
@@ -467,7 +505,7 @@ class _Server:
             loop = asyncio.get_running_loop()
             job.key = key_id(key_digest) if self.keyed else None
             answers = dialect.answers(parsed, job)
-            call = self._run(parsed, tokens, job, constraints, namespace)
+            call = self._run(parsed, tokens, job, constraints, namespace, front)
             if parsed.stream:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
                 self.streams.add(queue)
@@ -488,6 +526,8 @@ class _Server:
                     watcher.close()
                     self.streams.discard(queue)
 
+                if front is not None:
+                    return EventStream(queue, finish=finish, encode=front.encode, ending=front.ending)
                 return answers.stream(queue, finish)
             future = self._start(slot, job, call, None)
             cut = asyncio.ensure_future(self.cut.wait())
@@ -639,6 +679,8 @@ class _Server:
         self.executor.shutdown(wait=True)
         await asyncio.to_thread(self.utilities.close)
         await asyncio.to_thread(self.engine.close)
+        if self.responses is not None:
+            await asyncio.to_thread(self.responses.close)
 
 
 def _utilities_busy() -> ApiError:
@@ -709,6 +751,10 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
     settings = config if config is not None else ServerConfig()
     server = _Server(engine, settings.max_body_bytes if max_body_bytes is None else max_body_bytes,
                      settings.body_timeout, keyed=bool(settings.api_keys))
+    store = open_store(redis_url=settings.redis_url, cache_dir=settings.cache_dir, ttl=settings.responses_ttl,
+                       capacity_bytes=settings.responses_store_bytes, max_record_bytes=settings.responses_max_bytes)
+    server.responses = ResponsesService(store, server.metrics.registry, engine.limits, engine.model_name,
+                                        engine.n_ctx, tokenizer=engine.pool.slots[0].llama)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)
@@ -738,11 +784,15 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
         Route("/v1/messages", server.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", server.count_tokens, methods=["POST"]),
         Route("/v1/messages/{rest:path}", server.messages_elsewhere, methods=["GET", "POST", "PUT", "PATCH", "DELETE"]),
+        Route("/v1/responses", server.create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", server.stored_response, methods=["GET", "DELETE"]),
         # The same without /v1, as llama-server and many client configurations use them (counted in the
         # metrics under the /v1 path).
         Route("/chat/completions", server.chat, methods=["POST"]),
         Route("/completions", server.completions, methods=["POST"]),
         Route("/models", server.models, methods=["GET"]),
+        Route("/responses", server.create_response, methods=["POST"]),
+        Route("/responses/{response_id}", server.stored_response, methods=["GET", "DELETE"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),

@@ -34,6 +34,10 @@ DEFAULT_HEADER_TIMEOUT = 10.0
 # uvicorn's keep-alive default.
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
 DEFAULT_MAX_CONNECTIONS = 1024
+# Stored responses (the Responses API's store: true): a day each, 256 MiB in all, 8 MiB one.
+DEFAULT_RESPONSES_TTL = 24 * 3600.0
+DEFAULT_RESPONSES_STORE_BYTES = 256 << 20
+DEFAULT_RESPONSES_MAX_BYTES = 8 << 20
 # What a browser sends as Origin: scheme://host[:port], no path (a trailing slash never matches).
 _ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+")
 # llama-cpp-python's default batch, and llama-server's physical batch (its logical batch of 2048 buys
@@ -130,6 +134,10 @@ class ServerConfig:
             or neither.
         chat_template_file: a Jinja2 chat template to render chat prompts with, instead of the one
             the GGUF carries (for a model whose template is missing or wrong).
+        responses_ttl: seconds a stored response (the Responses API's ``store``) is kept.
+        responses_store_bytes: bytes the stored responses may take in all (in Redis with ``redis_url``,
+            on disk under ``cache_dir`` otherwise, else in RAM); the oldest are dropped first.
+        responses_max_bytes: the largest stored response; a larger one is not stored.
 
     ``repr`` shows how many API keys there are, never a key, and the Redis URL without its password.
 
@@ -168,6 +176,9 @@ class ServerConfig:
     ssl_keyfile: Path | None = None
     ssl_certfile: Path | None = None
     chat_template_file: Path | None = None
+    responses_ttl: float = DEFAULT_RESPONSES_TTL
+    responses_store_bytes: int = DEFAULT_RESPONSES_STORE_BYTES
+    responses_max_bytes: int = DEFAULT_RESPONSES_MAX_BYTES
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535 and self.port != 0:
@@ -178,6 +189,11 @@ class ServerConfig:
             raise ValueError(f"parallel must be at least 1, got {self.parallel}")
         if self.cache_ram <= 0 or self.cache_disk <= 0 or self.cache_redis <= 0:
             raise ValueError("cache sizes must be positive")
+        if self.responses_store_bytes <= 0 or self.responses_max_bytes <= 0:
+            raise ValueError("the stored responses' sizes must be positive")
+        if isinstance(self.responses_ttl, bool) or not isinstance(self.responses_ttl, (int, float)) or not (
+                math.isfinite(self.responses_ttl) and self.responses_ttl > 0):
+            raise ValueError(f"responses_ttl must be a positive number of seconds, got {self.responses_ttl!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must not be negative, got {self.max_queue}")
         if self.shutdown_timeout < 0:
@@ -294,6 +310,14 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
                      "serve HTTPS with this PEM certificate chain (and --ssl-keyfile)"),
     "chat_template_file": ("LLAMA_CACHE_CHAT_TEMPLATE_FILE", Path,
                            "render chat prompts with this Jinja2 template instead of the model's own"),
+    "responses_ttl": ("LLAMA_CACHE_RESPONSES_TTL", float,
+                      f"seconds a stored response (/v1/responses, store: true) is kept "
+                      f"(default {DEFAULT_RESPONSES_TTL:g})"),
+    "responses_store_bytes": ("LLAMA_CACHE_RESPONSES_STORE_BYTES", int,
+                              "bytes the stored responses may take in all, in Redis with --redis, else on disk "
+                              "with --cache-dir, else in RAM (default 256 MiB)"),
+    "responses_max_bytes": ("LLAMA_CACHE_RESPONSES_MAX_BYTES", int,
+                            "the largest stored response in bytes; a larger one is not stored (default 8 MiB)"),
 }
 # Other spellings of an option: llama-server's name for the thread count.
 _ALIASES = {"n_threads": ["--threads"], "redis_url": ["--redis"]}
@@ -311,6 +335,7 @@ def add_serve_command(commands: argparse._SubParsersAction, parents: list[argpar
         parents=parents,
         help="an OpenAI-compatible HTTP server with the prompt cache on",
         description="Serve one model over an OpenAI-compatible API (/v1/chat/completions, /v1/completions, "
+        "/v1/responses, "
         "/v1/models, /health, /metrics), its contexts sharing one prompt cache. Every option also "
         "reads an environment variable, named in its help.",
     )

@@ -59,6 +59,11 @@ class SlotLlama(Llama):
 
     ``token_watcher``, when set, is told every token ``generate`` yields, in order (end-of-generation
     tokens included): how a sequence learns which token it sampled (:mod:`.sequences`).
+
+    ``prompt_substitute``, when set, is given each completion's prompt tokens (as the chat handler
+    tokenized them) and returns the tokens to evaluate in their place: how a conversation continues from
+    the very tokens its last answer left (:mod:`.openai_responses`), which the same text tokenized again
+    need not be.
     """
 
     compute: ComputeThread | None = None
@@ -67,6 +72,7 @@ class SlotLlama(Llama):
     request_cancelled: Callable[[], bool] | None = None
     request_stop: Callable[[npt.NDArray[np.intc], npt.NDArray[np.single]], bool] | None = None
     token_watcher: Callable[[int], None] | None = None
+    prompt_substitute: Callable[[list[int]], list[int]] | None = None
 
     def use_compute(self, compute: ComputeThread) -> None:
         """Evaluate, copy the state and change the KV of this context on ``compute`` from now on.
@@ -250,6 +256,9 @@ class SlotLlama(Llama):
         if extra is not None:
             existing = kwargs.get("stopping_criteria") or []
             kwargs["stopping_criteria"] = llama_cpp.StoppingCriteriaList([*existing, extra])
+        substitute = self.prompt_substitute
+        if substitute is not None and isinstance(kwargs.get("prompt"), list):
+            kwargs["prompt"] = substitute(kwargs["prompt"])
         return super()._create_completion(*args, **kwargs)
 
 

@@ -337,6 +337,7 @@ def run_job(slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callab
         llama.request_stop = None
         llama.request_cancelled = None
         llama.token_watcher = None
+        llama.prompt_substitute = None
     if job.cancel.is_set() and not job.answered:
         raise Cancelled()
     return result

@@ -84,14 +84,16 @@ class Disconnect:
 class EventStream(Response):
     """A ``text/event-stream`` response fed by a worker thread through an asyncio queue.
 
-    Each queued item is sent as :meth:`encode` makes it (OpenAI's: one ``data:`` event per chunk or
-    :class:`ApiError`) until :data:`END`, which sends :attr:`closing` (``data: [DONE]``). A subclass
-    speaking another API's events overrides both.
+    Each queued item (a chunk, or an :class:`ApiError`) is sent as ``encode`` makes it (default
+    :meth:`encode`, OpenAI's: one ``data:`` event per chunk or error body; empty bytes: nothing sent)
+    until :data:`END`, which sends ``ending`` (default :attr:`closing`, ``data: [DONE]``). Another API's
+    events come from a subclass overriding both, or from the two arguments.
     """
 
     closing = b"data: [DONE]\n\n"
 
-    def __init__(self, queue: asyncio.Queue[Any], finish: Callable[[], None]) -> None:
+    def __init__(self, queue: asyncio.Queue[Any], finish: Callable[[], None],
+                 encode: Callable[[Any], bytes] | None = None, ending: bytes | None = None) -> None:
         # Not Response.__init__: it would declare a Content-Length of 0.
         self.status_code = 200
         self.background = None
@@ -102,6 +104,8 @@ class EventStream(Response):
         ]
         self._queue = queue
         self._finish = finish
+        self._encode = encode if encode is not None else self.encode
+        self._ending = ending if ending is not None else self.closing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -110,10 +114,10 @@ class EventStream(Response):
                 item = await self._queue.get()
                 if item is END:
                     break
-                body = self.encode(item)
+                body = self._encode(item)
                 if body:
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-            await send({"type": "http.response.body", "body": self.closing, "more_body": False})
+            await send({"type": "http.response.body", "body": self._ending, "more_body": False})
         except OSError:  # the client went away while we wrote (ASGI 2.4 servers raise)
             pass
         finally:
