@@ -726,12 +726,9 @@ def disk_io(results: Results) -> str:
 
 
 # Serving: an agent loop over the Responses API (benchmarks/responses_agent.py) --------------------
-#
-# Not registered yet: its block joins docs/benchmarks.md ("An agent loop over the Responses API") with
-# the first result file measured on a quiet machine; then decorate it with @renders("responses-agent")
-# and add the block's markers there.
 
 
+@renders("responses-agent")
 def responses_agent(results: Results) -> str:
     run = results["responses_agent"]
     summary = run["summary"]
