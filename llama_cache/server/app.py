@@ -439,7 +439,8 @@ class _Server:
         if isinstance(parsed, CompletionRequest) and parsed.echo:
             # The prompt as sent, or its tokens' text (llama-cpp-python's own echo joins a list of ids to
             # a string, and streams without it).
-            echo = parsed.prompt if isinstance(parsed.prompt, str) else self.engine.pool.slots[0].llama.detokenize(
+            detokenizer = self.engine.pool.slots[0].llama.detokenizer
+            echo = parsed.prompt if isinstance(parsed.prompt, str) else detokenizer.detokenize(
                 tokens).decode("utf-8", "replace")
         run = ChoiceRun(llama=None, samplings=samplings, start=start, chat=isinstance(parsed, ChatRequest),
                         fingerprint=self.engine.system_fingerprint, cancelled=job.cancel.is_set,

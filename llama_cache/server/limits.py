@@ -20,7 +20,6 @@ each check is linear in the body's size, which the server bounds first (``max_bo
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import json
 import re
@@ -29,6 +28,7 @@ from typing import Any
 
 import llama_cpp
 
+from llama_cache.detokenizer import Detokenizer
 from llama_cache.server.errors import ApiError
 
 __all__ = ["PromptTextBound", "RequestLimits", "check_json_values", "check_schema", "limit_error"]
@@ -109,15 +109,15 @@ class PromptTextBound:
     def for_model(cls, llama: llama_cpp.Llama, n_ctx: int) -> PromptTextBound:
         """The bound for ``llama``'s vocabulary: O(vocabulary), about 0.25 s for 50,000 tokens; once per model."""
         vocab = llama_cpp.llama_model_get_vocab(llama.model)
-        buffer = ctypes.create_string_buffer(1024)
+        pieces = Detokenizer.for_llama(llama)  # every piece whole, however long
         longest = 1
         specials: list[bytes] = []
         special_kinds = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
         for token in range(llama.n_vocab()):
-            size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
-            longest = max(longest, abs(size))  # a negative size: the piece needs that many bytes
-            if 0 < size <= len(buffer) and llama_cpp.llama_vocab_get_attr(vocab, token) & special_kinds:
-                specials.append(buffer.raw[:size])
+            piece = pieces.piece(token, special=True)
+            longest = max(longest, len(piece))
+            if piece and llama_cpp.llama_vocab_get_attr(vocab, token) & special_kinds:
+                specials.append(piece)
         pattern = b"|".join(re.escape(text) for text in sorted(set(specials), key=len, reverse=True))
         return cls(n_ctx=n_ctx, max_bytes=n_ctx * longest, special=re.compile(pattern) if pattern else None)
 
