@@ -19,7 +19,7 @@ import openai
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from llama_cache.server import DrainingServer, ServerConfig, create_app, load_engine
+from llama_cache.server import DrainingServer, ServerConfig, create_app, load_service
 from llama_cache.server.connections import TLS_SHUTDOWN_TIMEOUT, guarded_protocol
 
 __all__ = ["LiveServer", "free_port", "rss_bytes"]
@@ -52,8 +52,8 @@ class LiveServer:
                  tls_shutdown_timeout: float = TLS_SHUTDOWN_TIMEOUT) -> None:
         self.port = free_port()
         self._clients: list[openai.OpenAI] = []
-        self.engine = load_engine(config)
-        self.app = create_app(self.engine, config)
+        self.service = load_service(config)
+        self.app = create_app(self.service, config)
         self.key = config.api_keys[0] if config.api_keys else None
         self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", ws="none",

@@ -62,7 +62,7 @@ def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
 
 def test_models_and_health(server: LiveServer) -> None:
     models = server.client().models.list()
-    assert [m.id for m in models.data] == [server.engine.model_name]
+    assert [m.id for m in models.data] == [server.service.model_name]
     health = httpx.get(server.url + "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
 
@@ -246,7 +246,7 @@ def test_a_body_over_the_limit_is_a_413_whether_declared_or_streamed(server: Liv
 def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokenizer = server.engine.pool.slots[0].llama  # the one the app tokenizes prompts with
+    tokenizer = server.service.pool.slots[0].llama  # the one the app tokenizes prompts with
     entered, release = threading.Event(), threading.Event()
     tokenize = tokenizer.tokenize_for
 
@@ -284,7 +284,7 @@ def test_a_prompt_being_tokenized_does_not_hold_up_other_requests(
 def _hold_saves(server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
     """Make every context's state save wait for ``release``; ``saving`` is set when one starts."""
     saving, release = threading.Event(), threading.Event()
-    for slot in server.engine.pool.slots:
+    for slot in server.service.pool.slots:
         save_state = slot.llama.save_state
 
         def held_save(save_state: Any = save_state) -> Any:
@@ -314,7 +314,7 @@ def test_a_stream_ends_before_the_cache_save_and_its_next_turn_waits_for_that_co
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     saving, release = _hold_saves(server, monkeypatch)
-    tokenizer = server.engine.pool.slots[0].llama
+    tokenizer = server.service.pool.slots[0].llama
     # One token asked for: it is never evaluated, so the context then holds exactly the prompt.
     prompt = tokenizer.tokenize(b"A stream that ends before its state is saved, about rivers:")
     before = server.metrics()
@@ -343,7 +343,7 @@ def test_another_conversation_on_the_same_head_waits_for_the_context_that_holds_
     from llama_cache.server.contexts import MIN_SHARED_TOKENS
 
     saving, release = _hold_saves(server, monkeypatch)
-    tokenizer = server.engine.pool.slots[0].llama
+    tokenizer = server.service.pool.slots[0].llama
     # A system prompt no other test sends, so the cache holds none of it: only the saving context does.
     head = tokenizer.tokenize(f"Rules {time.monotonic_ns()}: ".encode() + b"answer briefly and politely. " * 8)
     assert len(head) > MIN_SHARED_TOKENS
@@ -391,7 +391,7 @@ def test_a_client_that_disconnects_mid_stream_stops_its_generation(server: LiveS
 
 
 def test_every_evaluation_runs_on_the_compute_thread(server: LiveServer) -> None:
-    compute = server.engine.compute
+    compute = server.service.compute
     tokens_before, before = compute.tokens, server.metrics()
     prompt = f"Note {time.monotonic_ns()}: the three primary colours are"  # asked by no other test
     reply = server.client().completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0)
@@ -411,10 +411,10 @@ def test_every_evaluation_runs_on_the_compute_thread(server: LiveServer) -> None
 def test_a_client_that_disconnects_while_its_prompt_is_read_stops_it_at_the_next_chunk(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    compute = server.engine.compute
-    batch = server.engine.pool.slots[0].llama.n_batch
+    compute = server.service.compute
+    batch = server.service.pool.slots[0].llama.n_batch
     words = " ".join(["river", "stone", "garden", "window"] * 200)  # over one batch of tokens, under N_CTX
-    prompt_tokens = len(server.engine.pool.slots[0].llama.tokenize(words.encode()))
+    prompt_tokens = len(server.service.pool.slots[0].llama.tokenize(words.encode()))
     assert batch < prompt_tokens < N_CTX - 8
     # The prompt's first chunk, once evaluated, waits until the server has seen the client leave.
     reading = threading.Event()
@@ -760,7 +760,7 @@ def test_the_tokenization_memo_keeps_the_latest_texts_and_their_exact_tokens() -
 def test_contexts_share_tokenizations_and_return_the_tokens_llama_cpp_does(
     server: LiveServer, reference: Llama
 ) -> None:
-    first, second = (slot.llama for slot in server.engine.pool.slots[:2])
+    first, second = (slot.llama for slot in server.service.pool.slots[:2])
     assert first.tokenized is not None and first.tokenized is second.tokenized
     text = f"<|im_start|>user\nName {time.monotonic_ns()} colours.<|im_end|>\n".encode()
     for add_bos, special in ((True, True), (False, True), (True, False)):
@@ -801,7 +801,7 @@ def test_two_servers_share_prompt_states_through_disk_and_redis(tmp_path: Path) 
         first = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, cache_dir=tmp_path / "one",
                                        redis_url=redis_server.url))
         try:
-            assert [name for name, _ in first.engine.tiers] == ["ram", "disk", "redis"]
+            assert [name for name, _ in first.service.tiers] == ["ram", "disk", "redis"]
             expected = first.client().completions.create(model="x", prompt=prompt, max_tokens=8, temperature=0)
         finally:
             first.stop()  # drains: the Redis tier is written behind
@@ -865,7 +865,7 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
 def test_the_contexts_run_with_the_configured_threads_and_flash_attention(server: LiveServer) -> None:
     import llama_cpp
 
-    for slot in server.engine.pool.slots:
+    for slot in server.service.pool.slots:
         params = slot.llama.context_params
         assert (params.n_threads, params.n_threads_batch) == (physical_cores(), physical_cores())
         assert (params.n_batch, params.n_ubatch) == (512, 512)

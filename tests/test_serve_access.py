@@ -31,7 +31,7 @@ import trustme
 
 from llama_cache import LlamaRedisCache
 from llama_cache.caches.redis_tier import redact_url
-from llama_cache.server import ServerConfig, create_app, load_engine, serve
+from llama_cache.server import ServerConfig, create_app, load_service, serve
 from llama_cache.server.access import ApiKeyMiddleware, is_loopback
 from llama_cache.server.config import DEFAULT_PARALLEL, add_serve_command, config_from_args
 from llama_cache.testing.redis_server import RedisServer, redis_available
@@ -88,7 +88,7 @@ def _assert_invalid_key_body(response: Any) -> None:
 @pytest.mark.model
 def test_no_key_configured_leaves_every_route_open(open_server: LiveServer) -> None:
     client = open_server.client(max_retries=0)
-    assert [model.id for model in client.models.list().data] == [open_server.engine.model_name]
+    assert [model.id for model in client.models.list().data] == [open_server.service.model_name]
     assert client.completions.create(model="m", prompt="Hi", max_tokens=2, temperature=0).choices
     for path in ("/metrics", "/health"):
         assert httpx.get(open_server.url + path).status_code == 200
@@ -98,7 +98,7 @@ def test_no_key_configured_leaves_every_route_open(open_server: LiveServer) -> N
 def test_every_configured_key_is_accepted_by_the_openai_client(keyed: LiveServer) -> None:
     for key in KEYS:
         client = keyed.client(api_key=key, max_retries=0)
-        assert [model.id for model in client.models.list().data] == [keyed.engine.model_name]
+        assert [model.id for model in client.models.list().data] == [keyed.service.model_name]
     reply = keyed.client(api_key=KEYS[2], max_retries=0).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0)
     assert reply.choices[0].message.role == "assistant"
@@ -338,7 +338,7 @@ def test_a_redis_password_from_a_file_stays_out_of_logs_repr_and_metrics(
                          "--api-key", KEYS[0]])
         assert config.redis_url == f"redis://:{password}@127.0.0.1:{redis_server.port}/0"
         caplog.set_level(logging.DEBUG)
-        engine = load_engine(config)
+        engine = load_service(config)
         try:
             app = create_app(engine, config)
             assert f"redis://:***@127.0.0.1:{redis_server.port}/0" in caplog.text  # the tier is named, redacted

@@ -459,10 +459,10 @@ def test_a_function_without_parameters_is_called_with_an_empty_object(client: op
 def test_a_constraint_that_gives_up_mid_generation_answers_length_and_the_server_stays_up(
     server: LiveServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llama = server.engine.pool.slots[0].llama
+    llama = server.service.pool.slots[0].llama
     tight = ConstraintCompiler(llama_cpp.llama_model_get_vocab(llama.model), llama.n_vocab(),
                                ConstraintLimits(max_lexer_states=200))  # ~6 tokens into the string
-    monkeypatch.setattr(server.engine, "constraints", tight)
+    monkeypatch.setattr(server.service, "constraints", tight)
     request: dict[str, Any] = {
         "model": "m", "messages": [{"role": "user", "content": "Describe the ocean in detail."}],
         "tools": [_tool("write", LONG_STRING)], "tool_choice": _named("write"), "max_tokens": 48, "temperature": 0}

@@ -133,7 +133,7 @@ def test_a_completion_without_max_tokens_or_with_null_stops_at_16_tokens(server:
 
 @pytest.mark.model
 def test_logit_bias_applies_to_the_token_it_names(server: LiveServer) -> None:
-    tokenizer = server.engine.pool.slots[0].llama
+    tokenizer = server.service.pool.slots[0].llama
     forced = tokenizer.tokenize(b" banana", add_bos=False)[0]
     answer = _post(server, _COMPLETIONS, {"prompt": "My favourite fruit is", "max_tokens": 1, "temperature": 0,
                                           "logit_bias": {str(forced): 100}}).json()
@@ -151,7 +151,7 @@ def test_schemas_within_the_limits_are_accepted(server: LiveServer) -> None:
 @pytest.mark.model
 def test_refused_huge_prompts_do_not_pin_memory(server: LiveServer) -> None:
     """32 different 7.8 MB prompts, each refused: the memo keeps none of them and RSS stays bounded."""
-    memo = server.engine.pool.slots[0].llama.tokenized
+    memo = server.service.pool.slots[0].llama.tokenized
     assert memo is not None
     size = 7_800_000
     _post(server, _COMPLETIONS, {"prompt": "warm-up " * (size // 8)})  # the first one's buffers
@@ -286,11 +286,11 @@ def test_a_drain_past_its_timeout_answers_everything_it_holds() -> None:
         for thread in threads:
             thread.start()
         assert streaming.wait(timeout=60)
-        _wait_for(lambda: live.engine.pool.running == 2)
+        _wait_for(lambda: live.service.pool.running == 2)
         queued = threading.Thread(target=post, args=("queued",))
         queued.start()
         threads.append(queued)
-        _wait_for(lambda: live.engine.pool.queue_depth == 1)
+        _wait_for(lambda: live.service.pool.queue_depth == 1)
     finally:
         live.stop()
         for thread in threads:

@@ -237,7 +237,7 @@ def test_chat_usage_is_streamed_last_only_when_asked(server: LiveServer) -> None
 def test_n_choices_share_one_prompt_evaluation_and_equal_single_requests_with_their_seeds(server: LiveServer) -> None:
     client = server.client()
     prompt = f"Story {_nonce()}: once upon a time, in a small village by the sea, there lived"
-    compute = server.engine.compute
+    compute = server.service.compute
     evaluated_before = compute.tokens
     reply = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=1.0, seed=1234, n=4)
     assert [choice.index for choice in reply.choices] == [0, 1, 2, 3]

@@ -1,7 +1,8 @@
-"""``llama-cache serve``: an OpenAI-compatible HTTP server whose contexts share one prompt cache.
+"""``llama-cache serve``: an OpenAI-compatible HTTP server over one engine (:mod:`llama_cache.engine`).
 
 A request passes, in order: :mod:`.access` (API keys, CORS) -> :mod:`.limits` (what it may cost,
-checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (routing) -> a context.
+checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.gate` (a place among the
+``--parallel``) -> a sequence of the engine's one context, batched with the others.
 
 - :mod:`.config`: settings from options and environment variables.
 - :mod:`.errors`: the error a request is refused with (OpenAI's error body).
@@ -17,13 +18,14 @@ checked before any work) -> :mod:`.protocol` (its fields) -> :mod:`.slots` (rout
   :mod:`.responses_request`: its requests checked; :mod:`.responses_shapes`: its response objects and
   stream events; :mod:`.response_store`: the stored responses (RAM, disk or Redis), bounded, expiring
   and bound to their API key.
-- :mod:`.contexts`: a context (``SlotLlama``), what the contexts share, a chat prompt's tokens.
-- :mod:`.slots`: the slots, the fair queue and the routing of a request to a slot.
-- :mod:`.compute`: the one thread on which every context evaluates, in rounds.
+- :mod:`.prompts`: the served tokenizer, its memo of tokenizations, a chat prompt's tokens.
+- :mod:`.gate`: how many requests run at once and how many may wait.
+- :mod:`.jobs`: one request's run on its worker thread, and its cancellation.
+- :mod:`.choices`: a request's ``n`` choices, usage, log probabilities, echo.
 - :mod:`.metrics`: the Prometheus metrics, in a registry per app.
 - :mod:`.transport`: the body read (bounded in size and time), disconnects, server-sent events.
 - :mod:`.utilities`: the lane ``/tokenize`` and ``/detokenize`` run on, apart from completions, bounded.
-- :mod:`.engine`: what a server serves: the contexts, their shared prompt cache, the request limits.
+- :mod:`.service`: what a server serves: the engine, its cache tiers, the gate, the request limits.
 - :mod:`.app`: the routes (Starlette), the worker threads, shutdown.
 - :mod:`.connections`: the connections: the header deadline, the bound on open ones, TLS, prompt closes.
 
@@ -41,10 +43,10 @@ from types import FrameType
 from llama_cache.server.access import is_loopback
 from llama_cache.server.app import DrainingServer, create_app
 from llama_cache.server.connections import guarded_protocol, listening_sockets, raise_open_file_limit, tls_context
-from llama_cache.server.engine import Engine, load_engine
+from llama_cache.server.service import Service, load_service
 from llama_cache.server.config import ServerConfig
 
-__all__ = ["DrainingServer", "Engine", "ServerConfig", "create_app", "load_engine", "serve"]
+__all__ = ["DrainingServer", "ServerConfig", "Service", "create_app", "load_service", "serve"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +81,14 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
         logger.warning("the open-file limit (%d) is below --max-connections (%d): connections past it are not "
                        "accepted until others close (raise the hard limit: ulimit -Hn)", open_files,
                        config.max_connections)
-    engine = load_engine(config)
+    service = load_service(config)
     options = config.context_options()
-    logger.info("serving %s with %d context(s) of %d tokens, %d threads each, flash attention %s, %s prompt cache",
-                engine.model_name, len(engine.pool.slots), engine.n_ctx, options["n_threads"],
-                "on" if options["flash_attn"] else "off", " + ".join(name for name, _ in engine.tiers))
+    logger.info("serving %s: %d requests at once on one context of %d KV cells (shared), %d threads, "
+                "flash attention %s, %s prompt cache", service.model_name, config.parallel, service.n_ctx,
+                options["n_threads"], "on" if options["flash_attn"] else "off",
+                " + ".join(name for name, _ in service.tiers))
     uvicorn_config = uvicorn.Config(
-        create_app(engine, config),
+        create_app(service, config),
         # TLS is the protocol's (see .connections): uvicorn's own would hold a silent handshake for 60 s.
         http=guarded_protocol(config.header_timeout, config.max_connections, tls),
         ws="none",  # no WebSocket route; an upgrade would take its connection out of the protocol's hands
@@ -115,7 +118,7 @@ def serve(config: ServerConfig, *, log_level: str = "info") -> None:
             signal.signal(sig, handler)
         for sock in sockets:
             sock.close()
-        engine.close()  # already done by the app's shutdown, unless uvicorn stopped before starting it
+        service.close()  # already done by the app's shutdown, unless uvicorn stopped before starting it
 
 
 class _Stopped(Exception):

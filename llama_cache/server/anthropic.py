@@ -45,7 +45,7 @@ from llama_cache.server.choices import Usage
 from llama_cache.server.dialects import Answers, Dialect
 from llama_cache.server.errors import ApiError
 from llama_cache.server.protocol import ChatRequest, CompletionRequest
-from llama_cache.server.slots import Job
+from llama_cache.server.jobs import Job
 from llama_cache.server.transport import EventStream
 
 __all__ = ["AnthropicDialect", "MessageEvents", "StopSequences", "error_body", "is_messages_path", "message"]

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app: one thin route per endpoint over a :class:`~.slots.SlotPool`.
+"""The OpenAI-compatible HTTP app: one thin route per endpoint over the engine (:mod:`llama_cache.engine`).
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (server-sent events when
 ``stream`` is true), ``POST /v1/responses`` with ``GET`` / ``DELETE /v1/responses/{id}`` (OpenAI's
@@ -11,27 +11,25 @@ Before any route, :mod:`.access` answers CORS preflights and refuses requests wi
 (when keys are configured).
 
 A completion's life: the body is read (at most ``max_body_bytes``, else 413, within ``body_timeout``
-seconds, else 408), then decoded, validated
-(:mod:`.protocol`) and its prompt tokenized in a thread, so that a huge prompt does not hold up the
-event loop and the other requests' streams; the request waits for a slot in FIFO order
-(:meth:`.SlotPool.acquire`); its ``n`` choices run in a worker thread (:func:`.slots.run_job`) on
-llama-cpp-python's own ``create_completion`` / ``create_chat_completion``, one after another from one
-evaluation of the prompt, with OpenAI's additions (usage with cached tokens, log probabilities, the
-system fingerprint: :mod:`.choices`); its evaluations run on the engine's one compute thread
-(:mod:`.compute`). Each choice samples with its own :class:`~.sequences.SequenceSampling`. A request
-for structured output (``response_format`` ``json_object`` or ``json_schema``, a ``tool_choice`` that
-forces a call) has one constraint per choice compiled in a thread too, before it is queued
-(:mod:`.constraints`; a schema it refuses is a 400), each the logits processor of its choice, never
-llama-cpp-python's grammar; its answer is shaped as OpenAI's (a call as ``tool_calls``,
-:mod:`.responses`). A client that disconnects (while queued, generating or streaming)
-has its generation stopped at the next token. A stream ends with its last chunk, while the worker
-thread goes on to save the completion's state into the prompt cache (see :meth:`.SlotPool.answered`).
-The slot is released when its worker thread is done, never before, whatever happens to the request's
-task.
+seconds, else 408), then decoded, validated (:mod:`.protocol`) and its prompt tokenized in a thread, so
+that a huge prompt does not hold up the event loop and the other requests' streams; the request waits
+for a place in FIFO order (:class:`.gate.RequestGate`: ``--parallel`` run at once, ``--max-queue``
+wait); its ``n`` choices run in a worker thread (:func:`.jobs.run_job`), each a sequence of the
+engine's one context (:class:`~llama_cache.engine.completions.Completions`), batched with every other
+request's sequences, with OpenAI's additions (usage with cached tokens, log probabilities, the system
+fingerprint: :mod:`.choices`). Each choice samples with its own :class:`~.sequences.SequenceSampling`.
+A request for structured output (``response_format`` ``json_object`` or ``json_schema``, a
+``tool_choice`` that forces a call) has one constraint per choice compiled in a thread too, before it
+is queued (:mod:`.constraints`; a schema it refuses is a 400), each the logits processor of its
+choice, never llama-cpp-python's grammar; its answer is shaped as OpenAI's (a call as ``tool_calls``,
+:mod:`.responses`). A client that disconnects (while queued, generating or streaming) has its
+generation stopped at the next step. A stream ends with its last chunk, while the worker thread goes
+on to store the completion's state in the cache tiers (with write-through, before that chunk). The
+place in the gate is given back when the worker thread is done.
 
 Shutdown (the lifespan's end, after uvicorn has drained or cancelled the connections on SIGTERM):
-remaining jobs are cancelled and awaited, the prompt cache's background writes are flushed and the
-contexts closed.
+remaining jobs are cancelled and awaited, the engine stops (its idle sequences' states go to the cache
+tiers), the tiers' background writes are flushed and the model freed.
 """
 
 from __future__ import annotations
@@ -46,8 +44,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import llama_cpp
-import numpy as np
-import numpy.typing as npt
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -71,18 +67,15 @@ from llama_cache.server.protocol import (
     context_length_error,
     parse_json_body,
 )
-from llama_cache.server.engine import Engine
+from llama_cache.server.service import Service
 from llama_cache.server.fronts import ChatFront
 from llama_cache.server.openai_responses import ResponsesService, not_found
 from llama_cache.server.response_store import open_store
 from llama_cache.server.transport import END, Disconnect, EventStream, read_body
-from llama_cache.server.contexts import (
-    PromptTooLong,
-    RenderingCancelled,
-    SlotLlama,
-    prompt_tokens_for_chat,
-)
-from llama_cache.server.slots import Cancelled, Job, QueueFull, Slot, run_job
+from llama_cache.engine.completions import Completions
+from llama_cache.server.gate import QueueFull
+from llama_cache.server.jobs import Cancelled, Job, run_job
+from llama_cache.server.prompts import PromptTooLong, RenderingCancelled, prompt_tokens_for_chat
 from llama_cache.server.responses import (
     ANY_FUNCTION,
     cut_short_chunks,
@@ -109,29 +102,30 @@ def _error_response(error: ApiError) -> JSONResponse:
 
 
 class _Server:
-    """The routes' shared state: the engine, its executor and the metrics."""
+    """The routes' shared state: the service, its executor and the metrics."""
 
-    def __init__(self, engine: Engine, max_body_bytes: int, body_timeout: float, keyed: bool = False) -> None:
-        self.engine = engine
+    def __init__(self, service: Service, max_body_bytes: int, body_timeout: float, keyed: bool = False) -> None:
+        self.service = service
         self.keyed = keyed  # API keys are configured: the metrics count tokens per key too
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
-        self.executor = ThreadPoolExecutor(max_workers=len(engine.pool.slots), thread_name_prefix="llama-cache-slot")
+        self.executor = ThreadPoolExecutor(max_workers=service.gate.permits, thread_name_prefix="llama-cache-request")
+        scheduler = service.engine.scheduler
         self.metrics = ServerMetrics(
-            caches=lambda: engine.tiers,
-            queue_depth=lambda: engine.pool.queue_depth,
-            running=lambda: engine.pool.running,
-            slots=lambda: len(engine.pool.slots),
-            compute=lambda: (engine.compute.waiting, engine.compute.tokens),
+            caches=lambda: service.tiers,
+            queue_depth=lambda: service.gate.queue_depth,
+            running=lambda: service.gate.running,
+            slots=lambda: service.gate.permits,
+            compute=lambda: (scheduler.waiting, scheduler.stats.tokens),
             per_key=keyed,
         )
-        self.utilities = UtilityLane(threads=1, max_waiting=engine.pool.max_queue)
+        self.utilities = UtilityLane(threads=1, max_waiting=service.gate.max_queue)
         self.jobs: set[Job] = set()
         self.worker_futures: set[asyncio.Future[Any]] = set()
         self.streams: set[asyncio.Queue[Any]] = set()
         self.stopping = False
         self._cut: asyncio.Event | None = None
-        detokenize = engine.pool.slots[0].llama.detokenizer.detokenize  # reads the shared vocabulary only
+        detokenize = service.tokenizer.detokenizer.detokenize  # reads the shared vocabulary only
         self.anthropic = AnthropicDialect(detokenize)
         self.anthropic_counting = AnthropicDialect(detokenize, counting=True)
         self.responses: ResponsesService | None = None  # set by create_app
@@ -174,8 +168,7 @@ class _Server:
         key_digest = request_key_digest(request.scope)
         job = Job(started_at=time.monotonic())
         try:
-            _, tokens, _, _ = await self.utilities.run(
-                lambda: self._parse(endpoint, raw, job, key_digest, dialect, counting=True))
+            _, tokens, _ = await self.utilities.run(lambda: self._parse(endpoint, raw, job, key_digest, dialect))
         except ApiError as error:
             return self._answer(endpoint, dialect.error(error))
         except UtilityBusy:
@@ -203,9 +196,9 @@ class _Server:
         return self._answer(endpoint, JSONResponse(body))
 
     async def models(self, request: Request) -> Response:
-        engine = self.engine
+        service = self.service
         body = {"object": "list", "data": [
-            {"id": engine.model_name, "object": "model", "created": engine.created, "owned_by": "llama-cache"},
+            {"id": service.model_name, "object": "model", "created": service.created, "owned_by": "llama-cache"},
         ]}
         return self._answer("/v1/models", JSONResponse(body))
 
@@ -225,17 +218,17 @@ class _Server:
             for name, value in flags.items():
                 if not isinstance(value, bool):
                     raise ApiError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
-            engine = self.engine
+            service = self.service
             text = content.encode("utf-8")
-            overflow = engine.text_bound.overflow(text, special=True)
+            overflow = service.text_bound.overflow(text, special=True)
             if overflow is not None:
-                raise context_length_error("content", overflow, engine.n_ctx)
+                raise context_length_error("content", overflow, service.n_ctx)
         except ApiError as error:
             return self._answer("/tokenize", _error_response(error))
-        tokenizer = engine.pool.slots[0].llama  # reads the shared vocabulary only
+        tokenizer = service.tokenizer  # reads the shared vocabulary only
         pieces_of = tokenizer.detokenizer
         # Its tokenizations are remembered in the key's namespace, as a completion's are.
-        fingerprint = engine.namespace_fingerprint(engine.cache_namespace(request_key_digest(request.scope), None))
+        fingerprint = service.namespace_fingerprint(service.cache_namespace(request_key_digest(request.scope), None))
 
         def work() -> list[Any]:
             add_bos = flags["add_special"]
@@ -260,23 +253,23 @@ class _Server:
 
     async def detokenize(self, request: Request) -> Response:
         """``POST /detokenize`` as llama-server: ``{"tokens": [ids]}`` -> ``{"content"}`` (special tokens' texts included)."""
-        engine = self.engine
+        service = self.service
         try:
             body = parse_json_body(await read_body(request, self.max_body_bytes, self.body_timeout))
             tokens = body.get("tokens")
             if not isinstance(tokens, list):
                 raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
-            if len(tokens) > engine.n_ctx:  # no more than a context holds, as for a prompt
-                raise context_length_error("tokens", f"{len(tokens)} tokens long", engine.n_ctx)
+            if len(tokens) > service.n_ctx:  # no more than a context holds, as for a prompt
+                raise context_length_error("tokens", f"{len(tokens)} tokens long", service.n_ctx)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise ApiError(400, "'tokens' must be a list of token ids", param="tokens", code="invalid_type")
-            bad = next((t for t in tokens if not 0 <= t < engine.n_vocab), None)
+            bad = next((t for t in tokens if not 0 <= t < service.n_vocab), None)
             if bad is not None:
-                raise ApiError(400, f"'tokens' holds {bad}, outside the vocabulary (0..{engine.n_vocab - 1})",
+                raise ApiError(400, f"'tokens' holds {bad}, outside the vocabulary (0..{service.n_vocab - 1})",
                                param="tokens", code="invalid_value")
         except ApiError as error:
             return self._answer("/detokenize", _error_response(error))
-        detokenizer = engine.pool.slots[0].llama.detokenizer
+        detokenizer = service.tokenizer.detokenizer
         try:
             text = await self.utilities.run(
                 lambda: detokenizer.detokenize(tokens, special=True).decode("utf-8", "replace"))
@@ -285,10 +278,10 @@ class _Server:
         return self._answer("/detokenize", JSONResponse({"content": text}))
 
     async def health(self, request: Request) -> Response:
-        pool = self.engine.pool
+        gate = self.service.gate
         status = "stopping" if self.stopping else "ok"
-        body = {"status": status, "slots": len(pool.slots), "slots_running": pool.running,
-                "queue_depth": pool.queue_depth}
+        body = {"status": status, "slots": gate.permits, "slots_running": gate.running,
+                "queue_depth": gate.queue_depth}
         return self._answer("/health", JSONResponse(body, status_code=503 if self.stopping else 200))
 
     async def metrics_route(self, request: Request) -> Response:
@@ -302,11 +295,10 @@ class _Server:
     # -- completions ------------------------------------------------------------------------------
 
     def _parse(self, endpoint: str, raw: bytes, job: Job, key_digest: bytes | None, dialect: Dialect = OPENAI,
-               counting: bool = False, front: ChatFront | None = None
-               ) -> tuple[CompletionRequest | ChatRequest, list[int], int, str | None]:
+               front: ChatFront | None = None) -> tuple[CompletionRequest | ChatRequest, list[int], str | None]:
         """The validated request, its prompt's tokens, how many of them the prompt cache would restore
         (0 when ``counting``: not asked) and its cache namespace (its API key's, as ``key_digest`` names
-        it, and its ``cache_salt``: see :meth:`.Engine.cache_namespace`). Runs in a thread, beside
+        it, and its ``cache_salt``: see :meth:`.Service.cache_namespace`). Runs in a thread, beside
         running completions. Any endpoint but ``/v1/completions`` is a chat request, its body first
         translated by ``dialect`` (:meth:`.Dialect.chat_body`).
 
@@ -320,59 +312,49 @@ class _Server:
             ApiError: 400 for bad input, a request past a limit or a prompt that does not fit the context.
             RenderingCancelled: the client left.
         """
-        engine = self.engine
-        limits = engine.limits
+        service = self.service
+        limits = service.limits
         body = parse_json_body(raw)
         check_json_values(raw, body)
         if front is not None:
             body = front.chat_body(body)
         elif endpoint != "/v1/completions":
             body = dialect.chat_body(body)
-        tokenizer = engine.pool.slots[0].llama  # tokenizing reads the shared vocabulary only
+        tokenizer = service.tokenizer  # tokenizing reads the shared vocabulary only
         parsed: CompletionRequest | ChatRequest
         if endpoint == "/v1/completions":
-            parsed = parse_completion_request(body, engine.n_ctx, engine.n_vocab, limits)
-            namespace = engine.cache_namespace(key_digest, parsed.cache_salt)
-            fingerprint = engine.namespace_fingerprint(namespace)
+            parsed = parse_completion_request(body, service.n_ctx, service.n_vocab, limits)
+            namespace = service.cache_namespace(key_digest, parsed.cache_salt)
+            fingerprint = service.namespace_fingerprint(namespace)
             if isinstance(parsed.prompt, list):
                 tokens = parsed.prompt
             elif parsed.prompt:
                 text = parsed.prompt.encode("utf-8")
-                overflow = engine.text_bound.overflow(text, special=True)
+                overflow = service.text_bound.overflow(text, special=True)
                 if overflow is not None:
-                    raise context_length_error("prompt", overflow, engine.n_ctx)
+                    raise context_length_error("prompt", overflow, service.n_ctx)
                 tokens = tokenizer.tokenize_for(fingerprint, text, special=True)
             else:
                 tokens = [tokenizer.token_bos()]
             param = "prompt"
         else:
-            parsed = parse_chat_request(body, engine.n_ctx, engine.n_vocab, limits)
-            namespace = engine.cache_namespace(key_digest, parsed.cache_salt)
-            fingerprint = engine.namespace_fingerprint(namespace)
+            parsed = parse_chat_request(body, service.n_ctx, service.n_vocab, limits)
+            namespace = service.cache_namespace(key_digest, parsed.cache_salt)
+            fingerprint = service.namespace_fingerprint(namespace)
             try:
-                tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, bound=engine.text_bound,
+                tokens = prompt_tokens_for_chat(tokenizer, parsed.messages, bound=service.text_bound,
                                                 cancelled=job.cancel.is_set, fingerprint=fingerprint,
                                                 **parsed.template_options)
             except PromptTooLong as error:
-                raise context_length_error("messages", f"{error.size} once rendered", engine.n_ctx) from None
+                raise context_length_error("messages", f"{error.size} once rendered", service.n_ctx) from None
             except ValueError as error:
                 raise ApiError(400, str(error), param="messages", code="invalid_value") from None
             param = "messages"
         if front is not None:
             tokens = front.rendered(tokens)
-        if len(tokens) >= engine.n_ctx:
-            raise context_length_error(param, f"{len(tokens)} tokens long", engine.n_ctx)
-        return parsed, tokens, 0 if counting else self._cached_length(tokens, fingerprint), namespace
-
-    def _cached_length(self, tokens: list[int], fingerprint: str) -> int:
-        """How many leading tokens of a prompt the prompt cache would restore in the namespace of
-        ``fingerprint``, asked of every tier (O(K) in RAM and on disk, a few round trips in Redis;
-        nothing loaded). A failing cache holds nothing."""
-        try:
-            return int(self.engine.cache.match_length(tokens, namespace=fingerprint))
-        except Exception as error:  # noqa: BLE001 - routing only
-            logger.debug("prompt cache match_length failed: %s: %s", type(error).__name__, error)
-            return 0
+        if len(tokens) >= service.n_ctx:
+            raise context_length_error(param, f"{len(tokens)} tokens long", service.n_ctx)
+        return parsed, tokens, namespace
 
     def _constraints(self, structured: StructuredOutput, n: int) -> list[SequenceConstraint]:
         """One compiled constraint per choice of a request for structured output. Runs in a thread,
@@ -382,7 +364,7 @@ class _Server:
             ApiError: 400 naming the field whose schema is refused (``param``: the request's field; the
                 message names the function's parameters when the refusal lies in one).
         """
-        compiler = self.engine.constraints
+        compiler = self.service.constraints
         try:
             if structured.gbnf is not None:
                 return [compiler.compile_gbnf(structured.gbnf) for _ in range(n)]
@@ -393,17 +375,17 @@ class _Server:
 
     def _run(self, parsed: CompletionRequest | ChatRequest, tokens: list[int], job: Job,
              constraints: list[SequenceConstraint] | None = None, namespace: str | None = None,
-             front: ChatFront | None = None) -> Callable[[SlotLlama], Any]:
+             front: ChatFront | None = None) -> Callable[[], Any]:
         """What the request's worker thread runs: its choices (:class:`.ChoiceRun`), whole or streamed,
         in its cache namespace; their answer translated by ``front``, if given."""
-        model = parsed.model or self.engine.model_name
+        model = parsed.model or self.service.model_name
         sampling = parsed.sampling
         bias = LogitBias(sampling.logit_bias) if sampling.logit_bias else None
         options = parsed.options
         penalties = Penalties(repeat=options.get("repeat_penalty", 1.0),
                               frequency=options.get("frequency_penalty", 0.0),
                               presence=options.get("presence_penalty", 0.0),
-                              last_n=self.engine.penalty_last_n)
+                              last_n=self.service.penalty_last_n)
         samplings = [
             SequenceSampling(
                 seed=None if sampling.seed is None else (sampling.seed + index) & 0xFFFFFFFF,
@@ -424,13 +406,13 @@ class _Server:
         structured = parsed.structured
         if isinstance(parsed, CompletionRequest):
             # The tokens routed on are the tokens evaluated: the string is not tokenized twice.
-            def start(llama: SlotLlama, sequence: SequenceSampling) -> Any:
+            def start(llama: Completions, sequence: SequenceSampling) -> Any:
                 return llama.create_completion(prompt=tokens, max_tokens=parsed.max_tokens, stream=parsed.stream,
                                                model=model, **options, **seed(sequence), **processors(sequence))
         else:
             # No response_format and no tool_choice that forces a call reach the chat handler: it would
             # build a GBNF grammar from them. The constraint is a logits processor instead.
-            def start(llama: SlotLlama, sequence: SequenceSampling) -> Any:
+            def start(llama: Completions, sequence: SequenceSampling) -> Any:
                 return llama.create_chat_completion(
                     messages=parsed.messages, max_tokens=parsed.max_tokens, stream=parsed.stream, model=model,
                     **parsed.template_options, **options, **seed(sequence), **processors(sequence))
@@ -439,12 +421,12 @@ class _Server:
         if isinstance(parsed, CompletionRequest) and parsed.echo:
             # The prompt as sent, or its tokens' text (llama-cpp-python's own echo joins a list of ids to
             # a string, and streams without it).
-            detokenizer = self.engine.pool.slots[0].llama.detokenizer
+            detokenizer = self.service.tokenizer.detokenizer
             echo = parsed.prompt if isinstance(parsed.prompt, str) else detokenizer.detokenize(
                 tokens).decode("utf-8", "replace")
         run = ChoiceRun(llama=None, samplings=samplings, start=start, chat=isinstance(parsed, ChatRequest),
-                        fingerprint=self.engine.system_fingerprint, cancelled=job.cancel.is_set,
-                        saved_before_last_chunk=getattr(self.engine.cache, "write_through", False), echo=echo)
+                        fingerprint=self.service.system_fingerprint, cancelled=job.cancel.is_set,
+                        saved_before_last_chunk=self.service.write_through, echo=echo)
         def cut_short(sequence: SequenceSampling) -> bool:
             return sequence.constraint is not None and sequence.constraint.error is not None
 
@@ -460,11 +442,17 @@ class _Server:
                 chunks, function=function, legacy=structured.legacy, cut_short=lambda: cut_short(sequence))
         job.run = run
 
-        def call(llama: SlotLlama) -> Any:
-            llama.set_cache_namespace(namespace)  # before anything reads the context's live tokens
+        service = self.service
+        fingerprint = service.namespace_fingerprint(namespace)
+
+        def call() -> Any:
+            llama = Completions(
+                service.engine, fingerprint, cancelled=job.cancel.is_set, stop_check=job.stop_check,
+                prompt_substitute=front.substitute if front is not None else None,
+                tokenize=lambda text, add_bos, special: service.tokenizer.tokenize_for(fingerprint, text, add_bos,
+                                                                                       special),
+                penalty_last_n=service.penalty_last_n)
             run.llama = llama
-            if front is not None:
-                llama.prompt_substitute = front.substitute  # reset by run_job
             if parsed.stream:
                 chunks = run.stream(sampling.include_usage)
                 return chunks if front is None else front.stream(chunks, llama)
@@ -488,8 +476,8 @@ class _Server:
         try:
             try:
                 key_digest = request_key_digest(request.scope)
-                parsed, tokens, cached, namespace = await asyncio.to_thread(self._parse, endpoint, raw, job,
-                                                                            key_digest, dialect, False, front)
+                parsed, tokens, namespace = await asyncio.to_thread(self._parse, endpoint, raw, job, key_digest,
+                                                                    dialect, front)
                 constraints = None
                 if parsed.structured is not None:
                     constraints = await asyncio.to_thread(self._constraints, parsed.structured, parsed.sampling.n)
@@ -498,9 +486,7 @@ class _Server:
             except RenderingCancelled:
                 return self._answer(endpoint, Response(status_code=CLIENT_CLOSED))
             del raw  # the body's bytes are not kept while the request waits and runs
-            slot = await self._acquire(endpoint, tokens, cached, watcher, self.engine.namespace_fingerprint(namespace),
-                                       dialect)
-            if slot is None:
+            if not await self._acquire(watcher, dialect):
                 self.metrics.requests.labels(endpoint, str(CLIENT_CLOSED)).inc()
                 return Response(status_code=CLIENT_CLOSED)
             loop = asyncio.get_running_loop()
@@ -511,14 +497,9 @@ class _Server:
                 queue: asyncio.Queue[Any] = asyncio.Queue()
                 self.streams.add(queue)
 
-                def answered(live: npt.NDArray[np.intc]) -> None:
-                    # The client has every chunk: end its stream now, not after the cache save.
-                    self.engine.pool.answered(slot, live)
-                    queue.put_nowait(END)
-
-                future = self._start(slot, job, call,
-                                     emit=lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk),
-                                     answered=lambda live: loop.call_soon_threadsafe(answered, live))
+                # The client has every chunk: its stream ends now, not after the cache save.
+                future = self._start(job, call, emit=lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk),
+                                     answered=lambda: loop.call_soon_threadsafe(queue.put_nowait, END))
                 future.add_done_callback(lambda f: self._stream_done(endpoint, job, f, queue))
                 handed_over = True
 
@@ -530,7 +511,7 @@ class _Server:
                 if front is not None:
                     return EventStream(queue, finish=finish, encode=front.encode, ending=front.ending)
                 return answers.stream(queue, finish)
-            future = self._start(slot, job, call, None)
+            future = self._start(job, call, None)
             cut = asyncio.ensure_future(self.cut.wait())
             try:
                 await asyncio.wait({future, cut}, return_when=asyncio.FIRST_COMPLETED)
@@ -561,16 +542,14 @@ class _Server:
             if not handed_over:
                 watcher.close()
 
-    async def _acquire(self, endpoint: str, tokens: list[int], cached: int, watcher: Disconnect,
-                       fingerprint: str, dialect: Dialect = OPENAI) -> Slot | None:
-        """A slot (routed within the cache namespace of ``fingerprint``), or None when the client left
-        while queued.
+    async def _acquire(self, watcher: Disconnect, dialect: Dialect = OPENAI) -> bool:
+        """A place in the gate (True), or False when the client left while queued.
 
         Raises:
             _Refused: the queue is full or the drain's time is up (carries the 503 response, in
                 ``dialect``'s shape, with ``Retry-After``).
         """
-        acquiring = asyncio.ensure_future(self.engine.pool.acquire(tokens, cached, fingerprint))
+        acquiring = asyncio.ensure_future(self.service.gate.acquire())
         gone = asyncio.ensure_future(watcher.gone.wait())
         cut = asyncio.ensure_future(self.cut.wait())
         try:
@@ -588,24 +567,27 @@ class _Server:
             raise _Refused(dialect.error(_shutting_down()))
         if acquiring.done():
             try:
-                return acquiring.result()
+                acquiring.result()
+                return True
             except QueueFull:
-                error = ApiError(503, "every context is busy and the queue is full; retry later",
+                error = ApiError(503, "the server is busy and its queue is full; retry later",
                                  type="server_error", code="queue_full",
                                  headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
                 raise _Refused(dialect.error(error)) from None
         acquiring.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await acquiring
-        return None
+        return False
 
-    def _start(self, slot: Slot, job: Job, call: Callable[[SlotLlama], Any], emit: Callable[[Any], None] | None,
-               answered: Callable[[npt.NDArray[np.intc]], None] | None = None) -> asyncio.Future[Any]:
+    def _start(self, job: Job, call: Callable[[], Any], emit: Callable[[Any], None] | None,
+               answered: Callable[[], None] | None = None) -> asyncio.Future[Any]:
+        """Run the request (holding a place in the gate) on a worker thread; the place is given back
+        when the thread is done, never before, whatever happens to the request's task."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self.executor, run_job, slot, job, call, emit, answered)
+            future = loop.run_in_executor(self.executor, run_job, job, call, emit, answered)
         except BaseException:
-            self.engine.pool.release(slot)
+            self.service.gate.release()
             raise
         self.jobs.add(job)
         self.worker_futures.add(future)
@@ -613,7 +595,7 @@ class _Server:
         def done(_: asyncio.Future[Any]) -> None:
             self.jobs.discard(job)
             self.worker_futures.discard(future)
-            self.engine.pool.release(slot)
+            self.service.gate.release()
 
         future.add_done_callback(done)
         return future
@@ -679,7 +661,7 @@ class _Server:
             await asyncio.wait(set(self.worker_futures))
         self.executor.shutdown(wait=True)
         await asyncio.to_thread(self.utilities.close)
-        await asyncio.to_thread(self.engine.close)
+        await asyncio.to_thread(self.service.close)
         if self.responses is not None:
             await asyncio.to_thread(self.responses.close)
 
@@ -733,12 +715,12 @@ class _Refused(Exception):
         self.response = response
 
 
-def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_bytes: int | None = None
+def create_app(service: Service, config: ServerConfig | None = None, *, max_body_bytes: int | None = None
                ) -> Starlette:
-    """The Starlette app serving ``engine``; its lifespan's end closes the engine.
+    """The Starlette app serving ``service``; its lifespan's end closes the service.
 
     Args:
-        engine: what to serve (see :func:`load_engine`).
+        service: what to serve (see :func:`load_service`).
         config: the request settings it reads: ``api_keys``, ``metrics_public``, ``cors_origins``
             (:mod:`.access`), ``max_body_bytes`` and ``body_timeout``; None: the defaults (no key, no
             CORS).
@@ -750,12 +732,12 @@ def create_app(engine: Engine, config: ServerConfig | None = None, *, max_body_b
     the app does not serve (any path a client sends would otherwise become a label).
     """
     settings = config if config is not None else ServerConfig()
-    server = _Server(engine, settings.max_body_bytes if max_body_bytes is None else max_body_bytes,
+    server = _Server(service, settings.max_body_bytes if max_body_bytes is None else max_body_bytes,
                      settings.body_timeout, keyed=bool(settings.api_keys))
     store = open_store(redis_url=settings.redis_url, cache_dir=settings.cache_dir, ttl=settings.responses_ttl,
                        capacity_bytes=settings.responses_store_bytes, max_record_bytes=settings.responses_max_bytes)
-    server.responses = ResponsesService(store, server.metrics.registry, engine.limits, engine.model_name,
-                                        engine.n_ctx, tokenizer=engine.pool.slots[0].llama)
+    server.responses = ResponsesService(store, server.metrics.registry, service.limits, service.model_name,
+                                        service.n_ctx, tokenizer=service.tokenizer)
 
     async def refused(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, _Refused)

@@ -1,11 +1,11 @@
-"""A request's choices, generated one after another on its context from one evaluation of the prompt.
+"""A request's choices, generated one after another on the engine from one evaluation of the prompt.
 
-:class:`ChoiceRun` drives llama-cpp-python's ``create_completion`` / ``create_chat_completion`` once per
-choice (``n``) on the request's :class:`~.contexts.SlotLlama`. The first choice evaluates the prompt
-(or restores it from the cache); each later one puts the context back at the prompt's end
-(:meth:`.SlotLlama.rewind_to_prompt`: the KV past the prompt is cut, the prompt's logits row restored),
-so it evaluates nothing before sampling. Each choice samples with its own
-:class:`~.sequences.SequenceSampling` (seed ``seed + i``, its constraint, its log probabilities).
+:class:`ChoiceRun` drives ``create_completion`` / ``create_chat_completion`` once per choice (``n``) on
+the request's :class:`~llama_cache.engine.completions.Completions`. The first choice evaluates the
+prompt (or reuses it from another sequence or the cache); each later one starts from the first one's
+cells (``llama_memory_seq_cp``: the prompt is shared, only its last token is evaluated again, for its
+row). Each choice samples with its own :class:`~.sequences.SequenceSampling` (seed ``seed + i``, its
+constraint, its log probabilities).
 
 What OpenAI's API adds to llama-cpp-python's answers is added here, on both endpoints, whole and
 streamed:
@@ -23,7 +23,7 @@ streamed:
   first chunk carries it).
 
 A stream yields :data:`ANSWERED` right after its last chunk for the client: what runs after it (the
-prompt cache's save) is bookkeeping (see :func:`.slots.run_job`).
+prompt cache's save) is bookkeeping (see :func:`.jobs.run_job`).
 
 Thread-safety: a run is driven by the worker thread of its request only.
 """
@@ -33,8 +33,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-
-import llama_cpp
 
 from llama_cache.server.sequences import SequenceSampling, TokenLogprob
 
@@ -67,7 +65,7 @@ class ChoiceRun:
     """The choices of one request on one context.
 
     Args:
-        llama: the request's context (a :class:`~.contexts.SlotLlama`).
+        llama: the request's :class:`~llama_cache.engine.completions.Completions`.
         samplings: one per choice, in order.
         start: starts a choice (see :data:`Start`).
         chat: chat completions (else text completions): which ``logprobs`` shape to give.
@@ -180,8 +178,6 @@ class ChoiceRun:
 
     def _run(self, index: int, sampling: SequenceSampling) -> Any:
         llama = self.llama
-        if index:
-            llama.rewind_to_prompt()
 
         def took(token: int) -> None:
             if not self.usage.prompt_known:  # the prompt is evaluated (or restored) once a token is out
@@ -199,7 +195,7 @@ class ChoiceRun:
         self.usage.completion_tokens += len(sampled) - (1 if ends else 0)
 
     def _is_end(self, token: int) -> bool:
-        return bool(llama_cpp.llama_vocab_is_eog(self.llama._model.vocab, token))  # noqa: SLF001 - the model's vocabulary
+        return bool(self.llama.is_end(token))
 
     # -- log probabilities -----------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 
 from llama_cache.server.errors import ApiError
 from llama_cache.server.protocol import ChatRequest, CompletionRequest
-from llama_cache.server.slots import Job
+from llama_cache.server.jobs import Job
 from llama_cache.server.transport import EventStream
 
 __all__ = ["OPENAI", "Answers", "Dialect"]

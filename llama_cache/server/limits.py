@@ -107,13 +107,19 @@ class PromptTextBound:
 
     @classmethod
     def for_model(cls, llama: llama_cpp.Llama, n_ctx: int) -> PromptTextBound:
-        """The bound for ``llama``'s vocabulary: O(vocabulary), about 0.25 s for 50,000 tokens; once per model."""
+        """The bound for ``llama``'s vocabulary (see :meth:`for_vocabulary`)."""
         vocab = llama_cpp.llama_model_get_vocab(llama.model)
-        pieces = Detokenizer.for_llama(llama)  # every piece whole, however long
+        return cls.for_vocabulary(vocab, Detokenizer.for_llama(llama), int(llama.n_vocab()), n_ctx)
+
+    @classmethod
+    def for_vocabulary(cls, vocab: llama_cpp.llama_vocab_p, pieces: Detokenizer, n_vocab: int,
+                       n_ctx: int) -> PromptTextBound:
+        """The bound for a vocabulary (its every piece whole, from ``pieces``): O(vocabulary), about
+        0.25 s for 50,000 tokens; once per model."""
         longest = 1
         specials: list[bytes] = []
         special_kinds = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL | llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
-        for token in range(llama.n_vocab()):
+        for token in range(n_vocab):
             piece = pieces.piece(token, special=True)
             longest = max(longest, len(piece))
             if piece and llama_cpp.llama_vocab_get_attr(vocab, token) & special_kinds:

@@ -53,7 +53,6 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from llama_cache.server.contexts import live_tokens
 from llama_cache.server.errors import ApiError
 from llama_cache.server.limits import RequestLimits
 from llama_cache.server.response_store import ResponseStore, StoredResponse, is_response_id, new_response_id, owner_of
@@ -292,7 +291,7 @@ class ResponsesFront:
         assert request is not None
         if not request.store:
             return
-        tokens = live_tokens(llama).tolist()
+        tokens = llama.live_tokens().tolist()
         turns = []
         for item in output:
             if item["type"] == "message":

@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from llama_cache.server.config import DEFAULT_BODY_TIMEOUT
 from llama_cache.server.errors import ApiError
-from llama_cache.server.slots import Job
+from llama_cache.server.jobs import Job
 
 __all__ = ["END", "Disconnect", "EventStream", "read_body"]
 

@@ -32,6 +32,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import llama_cpp
@@ -40,7 +41,7 @@ import xxhash
 logger = logging.getLogger(__name__)
 
 __all__ = ["COVERED_PARAMS", "IGNORED_PARAMS", "MAX_NAMESPACE_BYTES", "file_identity", "model_description",
-           "model_fingerprint", "namespaced_fingerprint"]
+           "context_fingerprint", "describe_model", "model_fingerprint", "namespaced_fingerprint"]
 
 MAX_NAMESPACE_BYTES = 4096
 """The longest cache namespace accepted, in UTF-8 bytes."""
@@ -169,9 +170,9 @@ def file_identity(path: str | os.PathLike[str]) -> str:
     return identity
 
 
-def _model_desc(llm: llama_cpp.Llama) -> str:
+def _describe(model: Any) -> str:
     description = llama_cpp.ctypes.create_string_buffer(256)
-    llama_cpp.llama_model_desc(llm._model.model, description, 256)
+    llama_cpp.llama_model_desc(model, description, 256)
     return description.value.decode("utf-8", "replace")
 
 
@@ -190,26 +191,34 @@ def model_fingerprint(llm: llama_cpp.Llama) -> str:
     Raises:
         OSError: the model file (or LoRA file) cannot be read.
     """
-    model = llm._model.model
-    params = llm.context_params
+    lora = [file_identity(llm.lora_path) if llm.lora_path else None, llm.lora_base, repr(float(llm.lora_scale))]
+    return context_fingerprint(llm.model_path, llm._model.model, llm.context_params, int(llm.n_vocab()),
+                               kv_overrides=llm.kv_overrides, lora=lora)
+
+
+def context_fingerprint(model_path: str | os.PathLike[str], model: Any, params: Any, n_vocab: int, *,
+                        kv_overrides: Mapping[str, Any] | None = None, lora: Sequence[Any] | None = None) -> str:
+    """The fingerprint of a context of the model at ``model_path`` (its loaded ``llama_model *``
+    ``model``) made with ``llama_context_params`` ``params``: 32 hex characters, the same as
+    :func:`model_fingerprint` of a ``llama_cpp.Llama`` with that model and those parameters.
+
+    Raises:
+        OSError: the model file cannot be read.
+    """
     facts: dict[str, Any] = {
-        "file": file_identity(llm.model_path),
-        "kv_overrides": sorted((str(k), repr(v)) for k, v in (llm.kv_overrides or {}).items()),
-        "desc": _model_desc(llm),
+        "file": file_identity(model_path),
+        "kv_overrides": sorted((str(k), repr(v)) for k, v in (kv_overrides or {}).items()),
+        "desc": _describe(model),
         "n_params": int(llama_cpp.llama_model_n_params(model)),
         "n_layer": int(llama_cpp.llama_model_n_layer(model)),
         "n_embd": int(llama_cpp.llama_model_n_embd(model)),
         "n_head": int(llama_cpp.llama_model_n_head(model)),
         "n_head_kv": int(llama_cpp.llama_model_n_head_kv(model)),
-        "n_vocab": int(llm.n_vocab()),
+        "n_vocab": int(n_vocab),
         "recurrent": bool(llama_cpp.llama_model_is_recurrent(model)),
         "hybrid": bool(llama_cpp.llama_model_is_hybrid(model)),
         "context": {name: _param_value(params, name) for name in COVERED_PARAMS},
-        "lora": [
-            file_identity(llm.lora_path) if llm.lora_path else None,
-            llm.lora_base,
-            repr(float(llm.lora_scale)),
-        ],
+        "lora": list(lora) if lora is not None else [None, None, repr(1.0)],
     }
     encoded = json.dumps(facts, sort_keys=True).encode()
     return hashlib.sha256(encoded).hexdigest()[:32]
@@ -217,10 +226,15 @@ def model_fingerprint(llm: llama_cpp.Llama) -> str:
 
 def model_description(llm: llama_cpp.Llama) -> dict[str, str]:
     """What a person needs to recognise a fingerprint's model: file name, description, parameter count."""
+    return describe_model(llm.model_path, llm._model.model)
+
+
+def describe_model(model_path: str | os.PathLike[str], model: Any) -> dict[str, str]:
+    """:func:`model_description` of the model at ``model_path``, loaded as ``model`` (``llama_model *``)."""
     return {
-        "file": os.path.basename(str(llm.model_path)),
-        "desc": _model_desc(llm),
-        "n_params": str(int(llama_cpp.llama_model_n_params(llm._model.model))),
+        "file": os.path.basename(str(model_path)),
+        "desc": _describe(model),
+        "n_params": str(int(llama_cpp.llama_model_n_params(model))),
     }
 
 

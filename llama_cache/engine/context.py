@@ -1,0 +1,188 @@
+"""The engine's one llama.cpp context: its batch, its decode, its memory and per-sequence state.
+
+:class:`BatchContext` owns a ``llama_context`` made with a unified KV cache (``kv_unified``: every
+sequence draws cells from one pool of ``n_ctx``, as ``llama-server -c N --kv-unified``) and
+``n_seq_max`` sequence ids, and one reusable ``llama_batch`` whose arrays are numpy buffers: a step
+fills them with vectorised writes, not a ctypes call per row.
+
+What changes the context's memory is here, each a thin, checked call of llama.cpp's API
+(``spec/llama_context_state_api.md``): :meth:`decode`, :meth:`copy_cells` (``llama_memory_seq_cp``:
+cells shared, nothing copied), :meth:`cut` (``llama_memory_seq_rm``), :meth:`read_sequence` /
+:meth:`write_sequence` (``llama_state_seq_get_data_ext`` / ``_set_data_ext``).
+
+Thread-safety: none. One thread (the scheduler's) makes every call; the numpy views returned by
+:meth:`logits_row` are valid until its next :meth:`decode`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from llama_cache.engine.model import Model
+
+__all__ = ["BatchContext", "ContextSettings", "DecodeFailed", "NoCells"]
+
+
+class NoCells(Exception):
+    """llama.cpp found no free cells for the batch (``llama_decode`` returned 1); nothing was evaluated."""
+
+
+class DecodeFailed(RuntimeError):
+    """``llama_decode`` failed for another reason than full memory (its return code in the message)."""
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    """What a :class:`BatchContext` is made with.
+
+    ``n_ctx`` is the pool of cells every sequence shares; ``n_seq_max`` the sequence ids (at most
+    llama.cpp's ``llama_max_parallel_sequences()``); ``n_batch`` the most rows one decode takes (also
+    its ubatch: one ubatch per decode).
+    """
+
+    n_ctx: int
+    n_seq_max: int
+    n_batch: int = 512
+    n_threads: int = 2
+    flash_attn: bool = True
+
+
+class BatchContext:
+    """A llama.cpp context with a unified KV pool, ``n_seq_max`` sequences and one batch (see the module).
+
+    Args:
+        model: the loaded model (outlives the context).
+        settings: sizes, threads and flash attention.
+
+    Raises:
+        ValueError: a setting is out of range or llama.cpp could not make the context.
+    """
+
+    def __init__(self, model: Model, settings: ContextSettings) -> None:
+        limit = int(llama_cpp.llama_max_parallel_sequences())
+        if not 1 <= settings.n_seq_max <= limit:
+            raise ValueError(f"n_seq_max must be between 1 and {limit}, got {settings.n_seq_max}")
+        if settings.n_ctx < 1 or settings.n_batch < 1 or settings.n_threads < 1:
+            raise ValueError(f"n_ctx, n_batch and n_threads must be positive: {settings}")
+        self.model = model
+        self.settings = settings
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = settings.n_ctx
+        params.n_batch = settings.n_batch
+        params.n_ubatch = settings.n_batch
+        params.n_seq_max = settings.n_seq_max
+        params.n_threads = settings.n_threads
+        params.n_threads_batch = settings.n_threads
+        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
+                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.kv_unified = True
+        params.no_perf = True
+        self.params = params
+        """The ``llama_context_params`` used (what a state's fingerprint records)."""
+        pointer = llama_cpp.llama_init_from_model(model.pointer, params)
+        if not pointer:
+            raise ValueError(f"llama.cpp could not make a context of {settings.n_ctx} cells")
+        self.pointer: Any = pointer
+        self.memory: Any = llama_cpp.llama_get_memory(pointer)
+        self.n_ctx = int(llama_cpp.llama_n_ctx(pointer))
+        """Cells in the pool (llama.cpp may round ``settings.n_ctx`` up)."""
+        self.n_batch = settings.n_batch
+        self.n_vocab = model.n_vocab
+        n = settings.n_batch
+        self.tokens = np.zeros(n, dtype=np.int32)
+        self.positions = np.zeros(n, dtype=np.int32)
+        self.sequences = np.zeros(n, dtype=np.int32)
+        self.wants_logits = np.zeros(n, dtype=np.int8)
+        self._n_seq_id = np.ones(n, dtype=np.int32)
+        # One sequence id per row: row i's pointer points at sequences[i].
+        base = self.sequences.ctypes.data
+        self._seq_pointers = (ctypes.POINTER(llama_cpp.llama_seq_id) * n)(
+            *(ctypes.cast(base + 4 * i, ctypes.POINTER(llama_cpp.llama_seq_id)) for i in range(n)))
+        self._batch = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self.tokens.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token)),
+            embd=None,
+            pos=self.positions.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_pos)),
+            n_seq_id=self._n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+            seq_id=self._seq_pointers,
+            logits=self.wants_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+        self._closed = False
+
+    # -- evaluation --------------------------------------------------------------------------------
+
+    def decode(self, n_rows: int) -> None:
+        """Evaluate the first ``n_rows`` rows of the batch arrays (``tokens``, ``positions``,
+        ``sequences``, ``wants_logits``), filled by the caller.
+
+        Raises:
+            NoCells: the pool has no room for them; nothing was evaluated.
+            DecodeFailed: any other failure.
+        """
+        if not 0 < n_rows <= self.n_batch:
+            raise ValueError(f"a decode takes 1 to {self.n_batch} rows, got {n_rows}")
+        self._batch.n_tokens = n_rows
+        code = int(llama_cpp.llama_decode(self.pointer, self._batch))
+        if code == 1:
+            raise NoCells()
+        if code != 0:
+            raise DecodeFailed(f"llama_decode returned {code}")
+
+    def logits_row(self, row: int) -> npt.NDArray[np.float32]:
+        """The logits of batch row ``row`` (it asked for them), as a writable view into llama.cpp's
+        buffer: valid until the next decode."""
+        pointer = llama_cpp.llama_get_logits_ith(self.pointer, row)
+        if not pointer:
+            raise DecodeFailed(f"no logits for row {row}")
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,))
+
+    # -- memory ------------------------------------------------------------------------------------
+
+    def copy_cells(self, source: int, target: int, n_tokens: int) -> None:
+        """Make ``target`` hold ``source``'s first ``n_tokens`` positions: the same cells, shared
+        (recurrent memory: its state is copied whole, ``n_tokens`` ignored)."""
+        end = -1 if self.model.recurrent else n_tokens
+        llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, end)
+
+    def cut(self, sequence: int, start: int = 0) -> bool:
+        """Drop ``sequence``'s positions from ``start`` on (0: all of them); False if the memory cannot
+        (recurrent memory cut inside its history)."""
+        return bool(llama_cpp.llama_memory_seq_rm(self.memory, sequence, start, -1))
+
+    def clear(self) -> None:
+        """Empty the whole memory."""
+        llama_cpp.llama_memory_clear(self.memory, True)
+
+    def read_sequence(self, sequence: int, flags: int = 0) -> npt.NDArray[np.uint8]:
+        """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer."""
+        size = int(llama_cpp.llama_state_seq_get_size_ext(self.pointer, sequence, flags))
+        buffer = np.empty(size, dtype=np.uint8)
+        written = int(llama_cpp.llama_state_seq_get_data_ext(
+            self.pointer, buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, sequence, flags))
+        if written != size:
+            raise DecodeFailed(f"llama.cpp wrote {written} of a {size}-byte sequence state")
+        return buffer
+
+    def write_sequence(self, sequence: int, data: Any, flags: int = 0) -> bool:
+        """Restore a state made by :meth:`read_sequence` (or a :class:`~llama_cache.LlamaState`'s bytes)
+        into ``sequence``, which must be empty; False (and ``sequence`` empty) if llama.cpp refused it,
+        e.g. when the pool has no contiguous run of free cells for it."""
+        array = np.asarray(data, dtype=np.uint8)
+        read = int(llama_cpp.llama_state_seq_set_data_ext(
+            self.pointer, array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(array), sequence, flags))
+        if read != len(array):
+            self.cut(sequence)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Free the context (once)."""
+        if not self._closed:
+            self._closed = True
+            llama_cpp.llama_free(self.pointer)

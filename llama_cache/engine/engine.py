@@ -1,0 +1,194 @@
+"""The engine: one model, one llama.cpp context, many sequences, continuous batching, the cache tiers.
+
+:class:`Engine` assembles the parts (:mod:`.model`, :mod:`.context`, :mod:`.residency`,
+:mod:`.scheduler`) and is what users of many requests at once talk to: the server, or a program's own
+batch jobs through :meth:`Engine.completions` (llama-cpp-python's ``create_completion`` and
+``create_chat_completion``, per request, on the shared engine).
+
+A prompt starts from the longest of: cells a live or idle sequence of its cache namespace holds
+(shared with ``llama_memory_seq_cp``), a state of the cache tiers (restored into its sequence), or
+nothing. Finished sequences stay in the context, idle, as the fastest tier; they go to the cache tiers
+when evicted, and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
+processes should find the state now), every finished completion's state is stored as it ends.
+
+Thread-safety: every public method may be called from any thread; the scheduler's thread alone
+touches the context.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp
+import numpy as np
+import numpy.typing as npt
+
+from llama_cache._model import default_model_path
+from llama_cache.caches.base import BaseLlamaCache
+from llama_cache.engine.context import BatchContext, ContextSettings
+from llama_cache.engine.model import Model
+from llama_cache.engine.residency import Residency
+from llama_cache.engine.scheduler import Generation, Scheduler
+from llama_cache.state.fingerprint import context_fingerprint, describe_model, namespaced_fingerprint
+from llama_cache.state.llama_state import LlamaState
+
+__all__ = ["Engine"]
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """A model served to many sequences at once (see the module's docstring).
+
+    Args:
+        model_path: the GGUF file (None: the embedded default model).
+        n_ctx: the pool of KV cells every sequence draws from; one sequence may use all of it.
+        parallel: generations running at once.
+        idle_sequences: finished sequences kept in the context for reuse beyond ``parallel``
+            (None: as many as ``parallel``, at least 4); ``parallel + idle_sequences`` is the context's
+            ``n_seq_max``, at most llama.cpp's limit.
+        n_threads: llama.cpp's threads (None: one per CPU the process may use).
+        n_batch: the most tokens one decode evaluates.
+        flash_attn: llama.cpp's flash attention.
+        cache: the cache tiers (None: none; idle sequences are the only reuse).
+        store_finished: store each finished completion's state in ``cache`` as it ends (else at
+            eviction and at :meth:`close`).
+        chat_template: a Jinja2 chat template instead of the model's.
+        prefill_while_generating: prompt tokens per step while sequences generate.
+
+    Raises:
+        FileNotFoundError: the model file does not exist.
+        ValueError: llama.cpp could not load it or make the context, or an argument is out of range.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str] | None = None, *, n_ctx: int = 4096, parallel: int = 4,
+                 idle_sequences: int | None = None, n_threads: int | None = None, n_batch: int = 512,
+                 flash_attn: bool = True, cache: BaseLlamaCache | None = None, store_finished: bool = False,
+                 chat_template: str | None = None, prefill_while_generating: int = 128) -> None:
+        if parallel < 1:
+            raise ValueError(f"parallel must be positive, got {parallel}")
+        idle = max(parallel, 4) if idle_sequences is None else idle_sequences
+        if idle < 0:
+            raise ValueError(f"idle_sequences must not be negative, got {idle}")
+        n_seq = min(parallel + idle, int(llama_cpp.llama_max_parallel_sequences()))
+        if n_seq < parallel:
+            raise ValueError(f"parallel may be at most {n_seq}, got {parallel}")
+        path = Path(model_path) if model_path is not None else default_model_path()
+        self.model = Model(path, chat_template)
+        try:
+            threads = n_threads or len(os.sched_getaffinity(0))
+            self.context = BatchContext(self.model, ContextSettings(
+                n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_threads=threads, flash_attn=flash_attn))
+        except BaseException:
+            self.model.close()
+            raise
+        self.parallel = parallel
+        self.n_ctx = self.context.n_ctx
+        self.model_fingerprint = context_fingerprint(path, self.model.pointer, self.context.params, self.model.n_vocab)
+        """The model's bytes and the context's KV-shaping settings: what its states carry."""
+        self.cache = cache
+        self.store_finished = store_finished and cache is not None
+        if cache is not None:
+            bind = getattr(cache, "bind", None)
+            if callable(bind) and getattr(cache, "fingerprint", "") is None:
+                bind(self.model_fingerprint, model_info=describe_model(path, self.model.pointer))
+        self.residency = Residency(n_seq, whole_states_only=self.model.recurrent)
+        self.scheduler = Scheduler(self.context, self.residency, store=self.store if cache is not None else None,
+                                   max_running=n_seq, prefill_while_generating=prefill_while_generating)
+        self._closed = False
+
+    # -- namespaces and reuse ----------------------------------------------------------------------
+
+    def fingerprint(self, namespace: str | None = None) -> str:
+        """The fingerprint of the states of cache namespace ``namespace`` (None: the model's own)."""
+        return namespaced_fingerprint(self.model_fingerprint, namespace)
+
+    def reusable(self, tokens: npt.NDArray[np.int32], fingerprint: str) -> int:
+        """How many leading tokens of ``tokens`` a sequence of the context holds for that namespace. O(K x sequences)."""
+        return self.residency.reusable(tokens, fingerprint, len(tokens) - 1)[1]
+
+    def lookup(self, tokens: Sequence[int], fingerprint: str) -> LlamaState | None:
+        """The cache tiers' state for the longest head of ``tokens`` in that namespace, if it reaches
+        further than the context's sequences; None otherwise. A failing cache is a logged miss.
+
+        Runs in the caller's thread (a disk or Redis tier may take milliseconds).
+        """
+        cache = self.cache
+        if cache is None or len(tokens) < 2:
+            return None
+        head = np.asarray(tokens, dtype=np.int32)[:-1]
+        try:
+            if cache.match_length(head, namespace=fingerprint) <= self.reusable(np.asarray(tokens, dtype=np.int32),
+                                                                               fingerprint):
+                return None
+            state = cache.lookup_prefix(head, namespace=fingerprint)
+        except KeyError:
+            return None
+        except Exception as error:  # noqa: BLE001 - a failing cache is an empty one
+            logger.warning("prompt cache lookup failed: %s: %s", type(error).__name__, error)
+            return None
+        if not isinstance(state, LlamaState) or state.fingerprint != fingerprint:
+            return None
+        if state.logits is not None and len(state.logits) != self.model.n_vocab:
+            return None
+        if len(state.tokens) and int(np.max(state.tokens)) >= self.model.n_vocab:
+            return None
+        return state
+
+    def store(self, state: LlamaState) -> None:
+        """Give ``state`` to the cache tiers; a failing cache is logged, never raised."""
+        cache = self.cache
+        if cache is None:
+            return
+        try:
+            cache[state.tokens] = state
+        except Exception as error:  # noqa: BLE001 - storing is an optimisation
+            logger.warning("prompt cache store failed: %s: %s", type(error).__name__, error)
+
+    # -- generations ------------------------------------------------------------------------------
+
+    def submit(self, generation: Generation) -> None:
+        """Queue one sequence's generation (see :class:`~.scheduler.Generation`).
+
+        Raises:
+            RuntimeError: the engine is closed.
+            ValueError: its prompt does not fit.
+        """
+        self.scheduler.submit(generation)
+
+    def completions(self, namespace: str | None = None, **options: Any) -> Any:
+        """llama-cpp-python's completion API for one request on this engine
+        (:class:`~.completions.Completions`; ``options`` are its keyword arguments)."""
+        from llama_cache.engine.completions import Completions
+
+        return Completions(self, self.fingerprint(namespace), **options)
+
+    def close(self) -> None:
+        """Stop the scheduler, give idle sequences' states to the cache tiers, flush them, free
+        the context and the model; once."""
+        if self._closed:
+            return
+        self._closed = True
+        self.scheduler.close()
+        if self.cache is not None:
+            for resident in self.residency.idle():
+                if resident.stored < resident.n:
+                    try:
+                        self.store(self.scheduler.snapshot(resident))
+                    except Exception as error:  # noqa: BLE001 - closing goes on
+                        logger.warning("could not store a sequence's state at close: %s", error)
+            close = getattr(self.cache, "close", None)
+            if callable(close):
+                close()
+        self.context.close()
+        self.model.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

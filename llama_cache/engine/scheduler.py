@@ -1,0 +1,531 @@
+"""The step loop: one thread owns every ``llama_decode`` of the engine's context (continuous batching).
+
+Each step the :class:`Scheduler`
+
+1. drops cancelled generations (their sequence keeps what it evaluated, idle);
+2. admits waiting ones, each into a sequence id: it starts from the longest head of its tokens that a
+   live or idle sequence of its namespace holds (``llama_memory_seq_cp``: cells shared, nothing
+   evaluated), or from a state of the cache tiers when that reaches further (restored into its
+   sequence), and evaluates the rest. A generation whose head is being read right now by another
+   (requests sent together on one system prompt) waits for that prefill and copies it, instead of
+   reading it too;
+3. builds one batch: the next token of every generating sequence first, then prompt chunks of the
+   others, oldest first, at most ``n_batch`` rows, and at most :attr:`Scheduler.prefill_while_generating`
+   prompt rows while any sequence generates (a generating sequence's next token waits for one bounded
+   chunk, however long the prompts being read); logits only for the rows that sample;
+4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
+   generation's ``on_token`` says whether it ends there.
+
+Memory: the pool's cells are counted exactly (:meth:`~.residency.Residency.cells_in_use`). When a step
+needs more than are free, idle sequences are evicted, least recently used first, their state given to
+the cache tiers first (``store``); if that is not enough, the youngest running generation is
+preempted: its cells are dropped and it waits, first in line, to evaluate its tokens again (a greedy
+answer is unchanged). A decode never fails for want of cells.
+
+Thread-safety: :meth:`Scheduler.submit`, :meth:`Scheduler.wake`, :meth:`Scheduler.close` and the
+counters may be used from any thread; everything else runs on the scheduler's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from llama_cache.engine.context import BatchContext, DecodeFailed, NoCells
+from llama_cache.engine.residency import Resident, Residency, common_prefix
+from llama_cache.engine.sampling import Sampler
+from llama_cache.state.llama_state import LlamaState
+
+__all__ = ["MIN_SHARED_TOKENS", "Generation", "Scheduler", "SchedulerStats"]
+
+logger = logging.getLogger(__name__)
+
+MIN_SHARED_TOKENS = 32
+"""The shortest head of another prefill in flight worth waiting for (chat prompts all share their
+template's first few tokens)."""
+
+TokenCallback = Callable[[int], "str | None"]
+"""Told each sampled token on the scheduler's thread; returns a finish reason to end the generation."""
+
+
+@dataclass(eq=False)
+class Generation:
+    """One sequence's generation, handed to :meth:`Scheduler.submit`.
+
+    Args:
+        prompt: its tokens (at least one; fewer than the pool's cells).
+        fingerprint: its cache namespace's fingerprint: only sequences and states of it are reused.
+        sampler: samples its tokens (closed by the scheduler when it ends).
+        on_token: see :data:`TokenCallback`.
+        cancelled: asked every step; True ends it (``finish_reason`` ``"cancelled"``).
+        restore: a state of the cache tiers for a head of ``prompt`` (the caller looked it up), used
+            if it reaches further than any sequence.
+        keep_state: when it ends, its sequence's state is read into :attr:`state` (for the caller to
+            store in the cache tiers).
+
+    Results (read them once :attr:`done` is set): ``finish_reason`` (``"stop"``, ``"length"``,
+    ``"cancelled"`` or ``"error"``, with ``error``), ``reused`` (prompt tokens not evaluated),
+    ``prompt_evaluated``, ``state``.
+    """
+
+    prompt: npt.NDArray[np.int32]
+    fingerprint: str
+    sampler: Sampler
+    on_token: TokenCallback
+    cancelled: Callable[[], bool] = lambda: False
+    restore: LlamaState | None = None
+    keep_state: bool = False
+    reused: int = 0
+    restored: int = 0
+    prompt_evaluated: int = 0
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    state: LlamaState | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    # The scheduler's: what it sampled, what is left to evaluate, where.
+    sampled: list[int] = field(default_factory=list)
+    todo: npt.NDArray[np.int32] = field(default_factory=lambda: np.empty(0, dtype=np.int32))
+    resident: Resident | None = None
+    generating: bool = False
+    admitted: bool = False
+    order: int = 0
+
+    def tokens(self) -> npt.NDArray[np.int32]:
+        """Every token its sequence should hold: the prompt and the tokens sampled (the last one not
+        evaluated yet while it generates)."""
+        if not self.sampled:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.sampled, dtype=np.int32)])
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler started (read from any thread)."""
+
+    steps: int = 0
+    tokens: int = 0
+    """Tokens evaluated (prompt rows and generated tokens' rows)."""
+    decode_seconds: float = 0.0
+    step_seconds: float = 0.0
+    """Whole steps, decode included: ``step_seconds - decode_seconds`` is the Python around it."""
+    evicted: int = 0
+    preempted: int = 0
+    shared_tokens: int = 0
+    """Tokens a sequence took from another's cells instead of evaluating them."""
+    restored_tokens: int = 0
+
+
+class Scheduler:
+    """The step loop (see the module's docstring) on a thread of its own, started at once.
+
+    Args:
+        context: the context it owns from now on.
+        residency: its sequences.
+        store: gives an evicted sequence's state to the cache tiers (never raises); None: evictions
+            drop their state.
+        max_running: generations running at once (the others wait); at most the sequence ids.
+        prefill_while_generating: prompt rows per step while a sequence generates.
+    """
+
+    def __init__(self, context: BatchContext, residency: Residency, *,
+                 store: Callable[[LlamaState], None] | None = None, max_running: int | None = None,
+                 prefill_while_generating: int = 128) -> None:
+        self.context = context
+        self.residency = residency
+        self._store = store
+        n_seq = len(residency.residents)
+        self.max_running = min(max_running or n_seq, n_seq)
+        self.prefill_while_generating = max(1, min(prefill_while_generating, context.n_batch))
+        self.stats = SchedulerStats()
+        self._condition = threading.Condition()
+        self._inbox: list[Generation] = []
+        self._waiting: deque[Generation] = deque()
+        self._running: list[Generation] = []
+        self._orders = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="llama-cache-engine", daemon=True)
+        self._thread.start()
+
+    # -- any thread ----------------------------------------------------------------------------
+
+    def submit(self, generation: Generation) -> None:
+        """Queue ``generation``; its ``done`` event is set when it ends.
+
+        Raises:
+            RuntimeError: the scheduler is closed.
+            ValueError: its prompt is empty or does not fit the pool.
+        """
+        if not 0 < len(generation.prompt) < self.context.n_ctx:
+            raise ValueError(f"a prompt takes 1 to {self.context.n_ctx - 1} tokens, got {len(generation.prompt)}")
+        with self._condition:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._inbox.append(generation)
+            self._condition.notify()
+
+    def wake(self) -> None:
+        """Have the loop look at its generations now (a caller cancelled one)."""
+        with self._condition:
+            self._condition.notify()
+
+    @property
+    def running(self) -> int:
+        """Generations admitted into a sequence."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Generations submitted and not admitted yet."""
+        with self._condition:
+            return len(self._inbox) + len(self._waiting)
+
+    def on_thread(self) -> bool:
+        """Whether the caller is the scheduler's thread."""
+        return threading.current_thread() is self._thread
+
+    def close(self) -> None:
+        """Stop the loop (generations not done end ``"cancelled"``) and wait for it; once."""
+        with self._condition:
+            if self._closed:
+                return
+            self._closed = True
+            self._condition.notify()
+        self._thread.join()
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._condition:
+                while not self._closed and not self._inbox and not self._running and not self._waiting:
+                    self._condition.wait()
+                if self._closed:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                worked = self._step()
+            except Exception:  # noqa: BLE001 - the loop must outlive any one step's failure
+                logger.exception("an engine step failed; ending the generations it held")
+                for generation in list(self._running):
+                    self._finish(generation, "error", RuntimeError("the engine failed"))
+                worked = True
+            if not worked:
+                with self._condition:  # only waiters that cannot be admitted yet: look again soon
+                    self._condition.wait(timeout=0.02)
+        for generation in [*self._running, *self._waiting, *self._inbox]:
+            self._finish(generation, "cancelled")
+
+    def _step(self) -> bool:
+        started = time.perf_counter()
+        self._drop_cancelled()
+        self._admit()
+        if not self._running:
+            return False
+        for _ in range(8):
+            plan = self._plan()
+            if not plan:
+                return False
+            rows = plan[-1][1] + plan[-1][2]
+            decode_started = time.perf_counter()
+            try:
+                self.context.decode(rows)
+            except NoCells:
+                logger.debug("no cells for a %d-row batch; evicting", rows)
+                if not self._evict_one() and not self._preempt_youngest():
+                    break
+                continue
+            except DecodeFailed as error:
+                logger.error("%s; ending the generations of the batch", error)
+                for generation, _, _ in plan:
+                    self._finish(generation, "error", error)
+                return True
+            finally:
+                self.stats.decode_seconds += time.perf_counter() - decode_started
+            self._advance(plan)
+            self.stats.steps += 1
+            self.stats.step_seconds += time.perf_counter() - started
+            return True
+        for generation in list(self._running):
+            self._finish(generation, "error", RuntimeError("the context has no room for this batch"))
+        return True
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        for generation in [g for g in self._waiting if _cancelled(g)]:
+            self._waiting.remove(generation)
+            self._finish(generation, "cancelled")
+        for generation in [g for g in self._running if _cancelled(g)]:
+            self._finish(generation, "cancelled")
+
+    def _admit(self) -> None:
+        for generation in list(self._waiting):
+            if len(self._running) >= self.max_running:
+                return
+            if self._place(generation):
+                self._waiting.remove(generation)
+                if not generation.admitted:
+                    generation.admitted = True
+                    self._orders += 1
+                    generation.order = self._orders
+                self._running.append(generation)
+                self._running.sort(key=lambda g: g.order)
+
+    def _place(self, generation: Generation) -> bool:
+        """Give ``generation`` a sequence holding the longest reusable head of its tokens; False: not now."""
+        residency = self.residency
+        tokens = generation.tokens()
+        limit = len(tokens) - 1  # the last token is evaluated: its row is sampled
+        fingerprint = generation.fingerprint
+        source, reused = residency.reusable(tokens, fingerprint, limit)
+        if not residency.whole_states_only and self._head_in_flight(tokens[:limit], fingerprint, reused):
+            return False
+        restore, usable = generation.restore, 0
+        if restore is not None:
+            usable = self._usable(restore, generation, tokens, limit)
+            if usable <= reused:
+                restore, generation.restore = None, None
+        if restore is None and source is not None and not source.busy and source.n == reused:
+            target: Resident | None = source  # a conversation's next turn: its sequence goes on
+        else:
+            target = residency.free() or self._evict_one(keep=source)
+            if target is None:
+                return False
+            if restore is not None and self._restore(target, restore, usable, tokens):
+                reused = usable
+                generation.restored = usable
+            elif source is not None and reused > 0:
+                self.context.copy_cells(source.seq, target.seq, reused)
+                residency.copied(source, target, reused)
+                self.stats.shared_tokens += reused
+            else:
+                reused = 0
+            generation.restore = None
+        residency.claim(target, fingerprint)
+        if target.n > reused and not self._cut(target, reused):
+            reused = 0
+        generation.resident = target
+        if generation.sampled == [] and not generation.generating:
+            generation.reused = reused
+        generation.todo = tokens[reused:]
+        generation.generating = False
+        return True
+
+    def _head_in_flight(self, tokens: npt.NDArray[np.int32], fingerprint: str, reused: int) -> bool:
+        """Whether a running prefill of the namespace is reading a head of ``tokens`` at least
+        :data:`MIN_SHARED_TOKENS` longer than ``reused``, not read yet."""
+        for other in self._running:
+            if other.generating or other.fingerprint != fingerprint or other.resident is None:
+                continue
+            shared = common_prefix(other.tokens(), tokens)
+            if shared >= reused + MIN_SHARED_TOKENS and other.resident.n < shared:
+                return True
+        return False
+
+    def _usable(self, state: LlamaState, generation: Generation, tokens: npt.NDArray[np.int32], limit: int) -> int:
+        """How many leading tokens of ``tokens`` (at most ``limit``) restoring ``state`` gives."""
+        if state.fingerprint != generation.fingerprint:
+            return 0
+        shared = common_prefix(np.asarray(state.tokens, dtype=np.int32), tokens[:limit])
+        if self.residency.whole_states_only:
+            return state.n_tokens if shared >= state.n_tokens else 0
+        return shared
+
+    def _restore(self, target: Resident, state: LlamaState, usable: int, tokens: npt.NDArray[np.int32]) -> bool:
+        """Restore ``state``'s first ``usable`` tokens into ``target`` (empty). False: refused (logged)."""
+        if usable < state.n_tokens:
+            state = state.prefix(usable, None)
+        if self.context.n_ctx - self.residency.cells_in_use() < state.n_tokens and not self._make_room(state.n_tokens):
+            return False
+        try:
+            with state.restore_source(target.seq) as (data, held):
+                if not self.context.write_sequence(target.seq, data):
+                    logger.info("a %d-token state could not be restored (no contiguous cells); evaluating",
+                                state.n_tokens)
+                    return False
+        except (ValueError, TypeError) as error:
+            logger.warning("cache miss: unusable state (%s)", error)
+            self.context.cut(target.seq)
+            return False
+        n = state.n_tokens
+        if held > n and not self.context.cut(target.seq, n):
+            self.context.cut(target.seq)
+            return False
+        self.residency.restored(target, tokens[:n], stored=True)
+        self.stats.restored_tokens += n
+        return True
+
+    # -- memory ----------------------------------------------------------------------------------
+
+    def _free_cells(self) -> int:
+        return self.context.n_ctx - self.residency.cells_in_use()
+
+    def _make_room(self, cells: int) -> bool:
+        while self._free_cells() < cells:
+            if self._evict_one() is None:
+                return False
+        return True
+
+    def _cut(self, resident: Resident, n_tokens: int) -> bool:
+        if self.context.cut(resident.seq, n_tokens):
+            self.residency.cut(resident, n_tokens)
+            return True
+        self.context.cut(resident.seq)  # recurrent memory cut inside its history: start over
+        self.residency.emptied(resident)
+        return False
+
+    def _evict_one(self, keep: Resident | None = None) -> Resident | None:
+        """Empty the least recently used idle sequence (its state stored first); None if none is idle."""
+        for resident in self.residency.idle():
+            if resident is keep:
+                continue
+            self._store_resident(resident)
+            self.context.cut(resident.seq)
+            self.residency.emptied(resident)
+            self.stats.evicted += 1
+            return resident
+        return None
+
+    def _store_resident(self, resident: Resident) -> None:
+        if self._store is None or resident.n == 0 or resident.stored >= resident.n:
+            return
+        try:
+            self._store(self.snapshot(resident))
+        except Exception as error:  # noqa: BLE001 - storing is an optimisation
+            logger.warning("could not store an evicted sequence's state: %s: %s", type(error).__name__, error)
+
+    def snapshot(self, resident: Resident) -> LlamaState:
+        """``resident``'s tokens and llama.cpp state as a :class:`LlamaState` (its namespace's); marks
+        them stored. On the scheduler's thread, or after it stopped."""
+        raw = self.context.read_sequence(resident.seq)
+        tokens = resident.tokens.copy()
+        tokens.setflags(write=False)
+        state = LlamaState.from_seq_bytes(tokens, None, 0, resident.fingerprint, raw,
+                                          parse=not self.residency.whole_states_only)
+        resident.stored = resident.n
+        return state
+
+    def _preempt_youngest(self) -> bool:
+        """Drop the cells of the youngest running generation (unless it is the only one); it waits first in line."""
+        if len(self._running) < 2:
+            return False
+        generation = self._running.pop()
+        resident = generation.resident
+        if resident is not None:
+            self.context.cut(resident.seq)
+            self.residency.emptied(resident)
+            self.residency.release(resident)
+        generation.resident = None
+        generation.generating = False
+        self._waiting.appendleft(generation)
+        self.stats.preempted += 1
+        logger.info("the context is full: a generation waits to evaluate its %d tokens again",
+                    len(generation.tokens()))
+        return True
+
+    # -- the batch -------------------------------------------------------------------------------
+
+    def _plan(self) -> list[tuple[Generation, int, int]]:
+        """Fill the batch: ``(generation, first row, rows)`` in row order (see the module's docstring)."""
+        context = self.context
+        decoding = [g for g in self._running if g.generating]
+        while self._free_cells() < len(decoding):
+            if self._evict_one() is None and not self._preempt_youngest():
+                break
+            decoding = [g for g in self._running if g.generating]
+        plan: list[tuple[Generation, int, int]] = []
+        rows = 0
+        for generation in decoding[: context.n_batch]:
+            self._fill(generation, rows, 1)
+            plan.append((generation, rows, 1))
+            rows += 1
+        budget = context.n_batch - rows
+        if rows:
+            budget = min(budget, self.prefill_while_generating)
+        free = self._free_cells() - rows
+        for generation in [g for g in self._running if not g.generating]:
+            take = min(len(generation.todo), budget)
+            if take <= 0:
+                break
+            if take > free:
+                self._make_room(rows + take)
+                free = self._free_cells() - rows
+                take = min(take, free)
+            if take <= 0:
+                break
+            self._fill(generation, rows, take)
+            plan.append((generation, rows, take))
+            rows += take
+            budget -= take
+            free -= take
+        if not plan and self._running and self._preempt_youngest():
+            return self._plan()
+        return plan
+
+    def _fill(self, generation: Generation, row: int, count: int) -> None:
+        context = self.context
+        resident = generation.resident
+        assert resident is not None
+        end = row + count
+        context.tokens[row:end] = generation.todo[:count]
+        context.positions[row:end] = np.arange(resident.n, resident.n + count, dtype=np.int32)
+        context.sequences[row:end] = resident.seq
+        context.wants_logits[row:end] = 0
+        if count == len(generation.todo):
+            context.wants_logits[end - 1] = 1
+
+    def _advance(self, plan: list[tuple[Generation, int, int]]) -> None:
+        for generation, row, count in plan:
+            resident = generation.resident
+            assert resident is not None
+            self.residency.appended(resident, generation.todo[:count])
+            generation.todo = generation.todo[count:]
+            self.stats.tokens += count
+            if not generation.sampled:
+                generation.prompt_evaluated += count
+            if len(generation.todo):
+                continue
+            try:
+                token = generation.sampler.sample(self.context, row + count - 1, resident.tokens)
+                generation.sampled.append(token)
+                generation.generating = True
+                reason = generation.on_token(token)
+            except Exception as error:  # noqa: BLE001 - one generation's failure is its own
+                logger.exception("a generation failed while sampling")
+                self._finish(generation, "error", error)
+                continue
+            if reason is not None:
+                self._finish(generation, reason)
+            else:
+                generation.todo = np.array([token], dtype=np.int32)
+
+    def _finish(self, generation: Generation, reason: str, error: BaseException | None = None) -> None:
+        resident = generation.resident
+        if resident is not None:
+            if generation.keep_state and reason in ("stop", "length") and resident.n > 0:
+                try:
+                    generation.state = self.snapshot(resident)
+                except Exception as failure:  # noqa: BLE001 - the answer stands without its state
+                    logger.warning("could not read a finished sequence's state: %s", failure)
+            self.residency.release(resident)
+        if generation in self._running:
+            self._running.remove(generation)
+        generation.sampler.close()
+        generation.finish_reason = reason
+        generation.error = error
+        generation.done.set()
+
+
+def _cancelled(generation: Generation) -> bool:
+    try:
+        return bool(generation.cancelled())
+    except Exception:  # noqa: BLE001 - a failing check is a cancellation
+        return True
