@@ -38,6 +38,13 @@ __all__ = ["Completions"]
 
 _END = object()
 
+CHAT_DEFAULTS: dict[str, Any] = {
+    "temperature": 0.2, "top_p": 0.95, "top_k": 40, "min_p": 0.05, "typical_p": 1.0, "stream": False, "stop": [],
+    "seed": None, "max_tokens": None, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repeat_penalty": 1.0,
+    "tfs_z": 1.0, "mirostat_mode": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+}
+"""``llama_cpp.Llama.create_chat_completion``'s defaults, which it passes to the chat handler."""
+
 
 class Completions:
     """One request's view of an :class:`~.engine.Engine` (see the module's docstring).
@@ -115,8 +122,9 @@ class Completions:
 
     def create_chat_completion(self, messages: list[dict[str, Any]], **options: Any) -> Any:
         """As ``llama_cpp.Llama.create_chat_completion``: the model's chat handler renders ``messages``
-        and calls :meth:`create_completion`."""
-        return self.engine.model.chat_handler(llama=self, messages=messages, **options)
+        and calls :meth:`create_completion`, with that method's defaults (the handlers' own differ:
+        a repeat penalty of 1.1, for one)."""
+        return self.engine.model.chat_handler(llama=self, messages=messages, **{**CHAT_DEFAULTS, **options})
 
     def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = 16,
                           temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,

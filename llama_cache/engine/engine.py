@@ -149,6 +149,15 @@ class Engine:
         except Exception as error:  # noqa: BLE001 - storing is an optimisation
             logger.warning("prompt cache store failed: %s: %s", type(error).__name__, error)
 
+    def figures(self) -> dict[str, float]:
+        """The engine's counters and gauges now (for metrics): sequences waiting, tokens evaluated,
+        decodes, tokens shared and restored, evictions, preemptions, the KV pool and its cells in use."""
+        stats = self.scheduler.stats
+        return {"waiting": self.scheduler.waiting, "tokens": stats.tokens, "steps": stats.steps,
+                "shared_tokens": stats.shared_tokens, "restored_tokens": stats.restored_tokens,
+                "evicted_sequences": stats.evicted, "preempted": stats.preempted,
+                "kv_cells": self.n_ctx, "kv_cells_in_use": self.residency.cells_in_use()}
+
     # -- generations ------------------------------------------------------------------------------
 
     def submit(self, generation: Generation) -> None:

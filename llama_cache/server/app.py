@@ -110,13 +110,12 @@ class _Server:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.executor = ThreadPoolExecutor(max_workers=service.gate.permits, thread_name_prefix="llama-cache-request")
-        scheduler = service.engine.scheduler
         self.metrics = ServerMetrics(
             caches=lambda: service.tiers,
             queue_depth=lambda: service.gate.queue_depth,
             running=lambda: service.gate.running,
             slots=lambda: service.gate.permits,
-            compute=lambda: (scheduler.waiting, scheduler.stats.tokens),
+            engine=service.engine.figures,
             per_key=keyed,
         )
         self.utilities = UtilityLane(threads=1, max_waiting=service.gate.max_queue)

@@ -2,7 +2,7 @@
 
 Names follow Prometheus's conventions (``_total`` counters, ``_seconds`` histograms, base units) under
 the ``llama_cache_`` prefix. Request metrics are counted as requests finish; cache, queue and slot
-figures are read when ``/metrics`` is scraped, from ``cache.stats()`` and the slot pool::
+figures are read when ``/metrics`` is scraped, from ``cache.stats()``, the gate and the engine::
 
     llama_cache_requests_total{endpoint, status}        requests answered, by route and HTTP status (a
                                                         path no route serves, refused for its key: "other")
@@ -14,17 +14,23 @@ figures are read when ``/metrics`` is scraped, from ``cache.stats()`` and the sl
     llama_cache_generation_tokens_total                 tokens sampled (end-of-generation tokens included)
     llama_cache_cache_entries{tier}, _cache_bytes{tier}, _cache_capacity_bytes{tier}
     llama_cache_cache_hits_total{tier}, _cache_misses_total{tier}, _cache_evictions_total{tier}
-    llama_cache_queue_depth                             requests waiting for a slot
-    llama_cache_requests_running                        requests holding a slot
-    llama_cache_slots                                   contexts (``--parallel``)
-    llama_cache_evaluations_waiting                     evaluations waiting for the compute thread
+    llama_cache_queue_depth                             requests waiting for a place (``--max-queue``)
+    llama_cache_requests_running                        requests holding a place
+    llama_cache_slots                                   places (``--parallel``)
+    llama_cache_evaluations_waiting                     sequences submitted to the engine, not yet admitted
     llama_cache_evaluated_tokens_total                  tokens evaluated (prompts' new tokens, generated tokens)
+    llama_cache_engine_steps_total                      the engine's decodes
+    llama_cache_engine_shared_tokens_total              prompt tokens taken from another sequence's cells
+    llama_cache_engine_restored_tokens_total            prompt tokens restored from the cache tiers
+    llama_cache_engine_evicted_sequences_total          idle sequences evicted (their state stored first)
+    llama_cache_engine_preempted_total                  generations whose cells were dropped for want of room
+    llama_cache_kv_cells, llama_cache_kv_cells_in_use   the KV pool and the cells its sequences hold
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -44,12 +50,12 @@ class _LiveCollector(Collector):
 
     def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]], queue_depth: Callable[[], int],
                  running: Callable[[], int], slots: Callable[[], int],
-                 compute: Callable[[], tuple[int, int]] | None) -> None:
+                 engine: Callable[[], Mapping[str, float]] | None) -> None:
         self._caches = caches
         self._queue_depth = queue_depth
         self._running = running
         self._slots = slots
-        self._compute = compute
+        self._engine = engine
 
     def collect(self) -> Iterable[Metric]:
         families = {
@@ -81,12 +87,27 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Requests waiting for a slot", value=self._queue_depth())
         yield GaugeMetricFamily(f"{PREFIX}_requests_running", "Requests holding a slot", value=self._running())
         yield GaugeMetricFamily(f"{PREFIX}_slots", "Contexts serving requests", value=self._slots())
-        if self._compute is not None:
-            waiting, evaluated = self._compute()
+        if self._engine is not None:
+            figures = self._engine()
             yield GaugeMetricFamily(f"{PREFIX}_evaluations_waiting",
-                                    "Evaluations waiting for the compute thread", value=waiting)
+                                    "Sequences submitted to the engine, not yet admitted", value=figures["waiting"])
             yield CounterMetricFamily(f"{PREFIX}_evaluated_tokens",
-                                      "Tokens evaluated: prompts' new tokens and generated tokens", value=evaluated)
+                                      "Tokens evaluated: prompts' new tokens and generated tokens",
+                                      value=figures["tokens"])
+            for name, help_text in _ENGINE_COUNTERS.items():
+                yield CounterMetricFamily(f"{PREFIX}_engine_{name}", help_text, value=figures[name])
+            yield GaugeMetricFamily(f"{PREFIX}_kv_cells", "Cells of the KV pool", value=figures["kv_cells"])
+            yield GaugeMetricFamily(f"{PREFIX}_kv_cells_in_use", "Cells of the KV pool its sequences hold",
+                                    value=figures["kv_cells_in_use"])
+
+
+_ENGINE_COUNTERS = {
+    "steps": "The engine's decodes",
+    "shared_tokens": "Prompt tokens taken from another sequence's cells (llama_memory_seq_cp)",
+    "restored_tokens": "Prompt tokens restored from the cache tiers into a sequence",
+    "evicted_sequences": "Idle sequences evicted for room (their state stored in the tiers first)",
+    "preempted": "Generations whose cells were dropped for want of room (they evaluate again)",
+}
 
 
 class ServerMetrics:
@@ -95,7 +116,7 @@ class ServerMetrics:
     Args:
         caches: returns ``(tier, cache)`` pairs to report (``tier`` is ``"ram"``, ``"disk"`` or ``"redis"``).
         queue_depth, running, slots: read the pool at scrape time.
-        compute: returns (evaluations waiting, tokens evaluated) of the compute thread at scrape time;
+        engine: returns the engine's figures at scrape time (:meth:`llama_cache.engine.Engine.figures`);
             None: not reported.
         per_key: count prompt tokens per API key id too (``llama_cache_key_prompt_tokens_total``).
 
@@ -104,7 +125,7 @@ class ServerMetrics:
 
     def __init__(self, caches: Callable[[], Iterable[tuple[str, Any]]], queue_depth: Callable[[], int],
                  running: Callable[[], int], slots: Callable[[], int],
-                 compute: Callable[[], tuple[int, int]] | None = None, per_key: bool = False) -> None:
+                 engine: Callable[[], Mapping[str, float]] | None = None, per_key: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -130,7 +151,7 @@ class ServerMetrics:
             self._key_prompt_tokens_cached = Counter(
                 f"{PREFIX}_key_prompt_tokens_cached", "Prompt tokens not evaluated, by API key id", ["key"],
                 registry=self.registry)
-        self.registry.register(_LiveCollector(caches, queue_depth, running, slots, compute))
+        self.registry.register(_LiveCollector(caches, queue_depth, running, slots, engine))
 
     def count_key_tokens(self, key: str, prompt_tokens: int, cached_tokens: int) -> None:
         """Count a request's prompt tokens under its API key's id (never a salt: clients choose those,
