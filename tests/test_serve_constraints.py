@@ -459,9 +459,8 @@ def test_a_function_without_parameters_is_called_with_an_empty_object(client: op
 def test_a_constraint_that_gives_up_mid_generation_answers_length_and_the_server_stays_up(
     server: LiveServer, client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    llama = server.service.pool.slots[0].llama
-    tight = ConstraintCompiler(llama_cpp.llama_model_get_vocab(llama.model), llama.n_vocab(),
-                               ConstraintLimits(max_lexer_states=200))  # ~6 tokens into the string
+    model = server.service.engine.model
+    tight = ConstraintCompiler(model.vocab, model.n_vocab, ConstraintLimits(max_lexer_states=200))  # ~6 tokens into the string
     monkeypatch.setattr(server.service, "constraints", tight)
     request: dict[str, Any] = {
         "model": "m", "messages": [{"role": "user", "content": "Describe the ocean in detail."}],
@@ -544,7 +543,18 @@ def test_bad_tools_are_a_400_naming_the_field(server: LiveServer, extra: dict[st
     assert error["message"]
 
 
-def test_unconstrained_greedy_answers_are_unchanged(client: openai.OpenAI) -> None:
+def test_unconstrained_greedy_answers_are_unchanged() -> None:
+    # A server of its own: a sequence's cells are then in position order, as the reference's are, so its
+    # greedy answers equal the reference's bit for bit (see tests/test_serve.py's multi-turn test).
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=1, max_queue=8))
+    client = live.client(max_retries=0, timeout=120)
+    try:
+        _unconstrained_greedy_answers_are_unchanged(client)
+    finally:
+        live.stop()
+
+
+def _unconstrained_greedy_answers_are_unchanged(client: openai.OpenAI) -> None:
     reference = Llama(model_path=str(default_model_path()), verbose=False,
                       **ServerConfig(n_ctx=N_CTX).context_options())
     try:

@@ -19,9 +19,11 @@ import pytest
 
 from llama_cache import default_model_path
 from llama_cache.server import ServerConfig
-from llama_cache.server.contexts import (
+from llama_cache.engine.model import Model
+from llama_cache.server.prompts import (
     PromptTooLong,
     RenderingCancelled,
+    ServedTokenizer,
     TokenizationMemo,
     prompt_tokens_for_chat,
 )
@@ -133,7 +135,7 @@ def test_a_completion_without_max_tokens_or_with_null_stops_at_16_tokens(server:
 
 @pytest.mark.model
 def test_logit_bias_applies_to_the_token_it_names(server: LiveServer) -> None:
-    tokenizer = server.service.pool.slots[0].llama
+    tokenizer = server.service.tokenizer
     forced = tokenizer.tokenize(b" banana", add_bos=False)[0]
     answer = _post(server, _COMPLETIONS, {"prompt": "My favourite fruit is", "max_tokens": 1, "temperature": 0,
                                           "logit_bias": {str(forced): 100}}).json()
@@ -151,7 +153,7 @@ def test_schemas_within_the_limits_are_accepted(server: LiveServer) -> None:
 @pytest.mark.model
 def test_refused_huge_prompts_do_not_pin_memory(server: LiveServer) -> None:
     """32 different 7.8 MB prompts, each refused: the memo keeps none of them and RSS stays bounded."""
-    memo = server.service.pool.slots[0].llama.tokenized
+    memo = server.service.tokenizer.memo
     assert memo is not None
     size = 7_800_000
     _post(server, _COMPLETIONS, {"prompt": "warm-up " * (size // 8)})  # the first one's buffers
@@ -185,17 +187,16 @@ def test_the_tokenization_memo_is_bounded_by_bytes_and_keeps_no_prompt_too_long_
 
 @pytest.mark.model
 def test_a_rendered_prompt_is_not_tokenized_past_its_bound_or_for_a_client_that_left() -> None:
-    import llama_cpp
-
-    llama = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=256, verbose=False, vocab_only=True)
+    model = Model(default_model_path())
+    llama = ServedTokenizer(model)
     calls: list[bytes] = []
-    tokenize = llama.tokenize
+    tokenize = model.tokenize
 
     def counting(text: bytes, *args: Any, **kwargs: Any) -> list[int]:
         calls.append(text)
         return tokenize(text, *args, **kwargs)
 
-    llama.tokenize = counting  # type: ignore[method-assign]
+    model.tokenize = counting  # type: ignore[method-assign]
     messages = [{"role": "user", "content": "hello " * 100}]
     with pytest.raises(PromptTooLong) as raised:
         prompt_tokens_for_chat(llama, messages, bound=PromptTextBound(n_ctx=256, max_bytes=300, special=None))
@@ -203,9 +204,10 @@ def test_a_rendered_prompt_is_not_tokenized_past_its_bound_or_for_a_client_that_
     with pytest.raises(RenderingCancelled):
         prompt_tokens_for_chat(llama, messages, cancelled=lambda: True)
     assert not calls
-    bound = PromptTextBound.for_model(llama, 256)
+    bound = PromptTextBound.for_vocabulary(model.vocab, model.detokenizer, model.n_vocab, 256)
     assert prompt_tokens_for_chat(llama, messages, bound=bound, cancelled=lambda: False)
     assert len(calls) == 1
+    model.close()
 
 
 @pytest.mark.model
@@ -286,11 +288,11 @@ def test_a_drain_past_its_timeout_answers_everything_it_holds() -> None:
         for thread in threads:
             thread.start()
         assert streaming.wait(timeout=60)
-        _wait_for(lambda: live.service.pool.running == 2)
+        _wait_for(lambda: live.service.gate.running == 2)
         queued = threading.Thread(target=post, args=("queued",))
         queued.start()
         threads.append(queued)
-        _wait_for(lambda: live.service.pool.queue_depth == 1)
+        _wait_for(lambda: live.service.gate.queue_depth == 1)
     finally:
         live.stop()
         for thread in threads:

@@ -234,18 +234,18 @@ def test_chat_usage_is_streamed_last_only_when_asked(server: LiveServer) -> None
 
 # ---------------------------------------------------------------------------------- n
 
-def test_n_choices_share_one_prompt_evaluation_and_equal_single_requests_with_their_seeds(server: LiveServer) -> None:
-    client = server.client()
+def test_n_choices_share_one_prompt_evaluation_and_equal_single_requests_with_their_seeds(fresh: LiveServer) -> None:
+    client = fresh.client()
     prompt = f"Story {_nonce()}: once upon a time, in a small village by the sea, there lived"
-    compute = server.service.compute
-    evaluated_before = compute.tokens
+    stats = fresh.service.engine.scheduler.stats
+    evaluated_before = stats.tokens
     reply = client.completions.create(model="m", prompt=prompt, max_tokens=8, temperature=1.0, seed=1234, n=4)
     assert [choice.index for choice in reply.choices] == [0, 1, 2, 3]
     assert reply.usage and reply.usage.prompt_tokens_details
     prompt_tokens = reply.usage.prompt_tokens
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
     # Evaluated: the prompt once, then each choice's sampled tokens but the last of one cut at max_tokens.
-    after = compute.tokens - evaluated_before
+    after = stats.tokens - evaluated_before
     per_choice = reply.usage.completion_tokens - sum(1 for c in reply.choices if c.finish_reason == "length")
     assert after == prompt_tokens + per_choice
     texts = [choice.text for choice in reply.choices]
@@ -255,8 +255,18 @@ def test_n_choices_share_one_prompt_evaluation_and_equal_single_requests_with_th
         assert single.choices[0].text == text
 
 
-def test_n_choices_stream_with_their_indexes(server: LiveServer) -> None:
-    client = server.client()
+@pytest.fixture
+def fresh() -> Iterator[LiveServer]:
+    """A server of its own: requests compared with each other find their cells in position order (in a
+    server whose earlier sequences were freed, a sequence's cells may land out of order, and llama.cpp's
+    attention sums them in cell order: the logits then differ in their last bits, as under load)."""
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16))
+    yield live
+    live.stop()
+
+
+def test_n_choices_stream_with_their_indexes(fresh: LiveServer) -> None:
+    client = fresh.client()
     messages = _ask(f"Name a fruit {_nonce()}.")
     stream = client.chat.completions.create(model="m", messages=messages, max_tokens=6, temperature=1.0, seed=7, n=3,
                                             stream=True, stream_options={"include_usage": True})

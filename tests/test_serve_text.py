@@ -127,7 +127,7 @@ def test_an_error_no_route_answered_is_a_counted_json_500(server: LiveServer, mo
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(server.service.pool.slots[0].llama.detokenizer, "detokenize", broken)
+    monkeypatch.setattr(server.service.tokenizer.detokenizer, "detokenize", broken)
     response = _post(server, "/detokenize", {"tokens": [1, 2]})
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "server_error" and "a bug" not in response.text
@@ -148,7 +148,7 @@ def test_detokenize_is_bounded_by_the_context_and_answers_a_whole_one(server: Li
 def test_utility_requests_wait_on_a_lane_of_their_own_with_a_bounded_backlog(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    detokenizer = server.service.pool.slots[0].llama.detokenizer
+    detokenizer = server.service.tokenizer.detokenizer
     entered, release = threading.Event(), threading.Event()
     detokenize = detokenizer.detokenize
 

@@ -49,6 +49,9 @@ class Resident:
     """How many of its leading tokens the cache tiers hold a state of (0: none)."""
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (block, start, end)
     open_block: int | None = None  # the block its next evaluated tokens extend
+    logits: tuple[int, npt.NDArray[np.float32]] | None = None
+    """(k, row): the logits row a decode gave after its first ``k`` tokens (a prompt's last), kept so
+    that an exact repeat of those ``k`` tokens samples without a decode."""
     _tokens: npt.NDArray[np.int32] = field(default_factory=lambda: np.empty(64, dtype=np.int32))
 
     @property
@@ -173,11 +176,13 @@ class Residency:
             target.open_block = None
             target.stored = min(source.stored, n_tokens)
             target.fingerprint = source.fingerprint
+            target.logits = source.logits if source.logits is not None and source.logits[0] == n_tokens else None
 
     def restored(self, target: Resident, tokens: npt.NDArray[np.int32], stored: bool) -> None:
         """``target`` (empty) holds a state of ``tokens`` restored into it (its own new cells)."""
         self.appended(target, tokens)
         with self._lock:
+            target.logits = None
             target.open_block = None  # the state's cells were placed by llama.cpp, not extended by us
             target.stored = len(tokens) if stored else 0
 
@@ -190,12 +195,20 @@ class Residency:
             resident.n = n_tokens
             resident.open_block = None
             resident.stored = min(resident.stored, n_tokens)
+            if resident.logits is not None and resident.logits[0] > n_tokens:
+                resident.logits = None
 
     def emptied(self, resident: Resident) -> None:
         """``resident`` holds nothing any more."""
         self.cut(resident, 0)
         with self._lock:
             resident.stored = 0
+            resident.logits = None
+
+    def kept_logits(self, resident: Resident, row: npt.NDArray[np.float32]) -> None:
+        """Keep ``row``, the logits after ``resident``'s tokens so far (see :attr:`Resident.logits`)."""
+        with self._lock:
+            resident.logits = (resident.n, row)
 
 
 def _cut_spans(spans: list[tuple[int, int, int]], n_tokens: int) -> list[tuple[int, int, int]]:

@@ -11,6 +11,7 @@ Thread-safety: a sampler is used by the scheduler's thread only; :meth:`Sampler.
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ import numpy.typing as npt
 from llama_cache.engine.context import BatchContext
 
 __all__ = ["LogitsProcessor", "Sampler", "SamplerSettings"]
+
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")], align=True)  # llama_token_data
 
 LogitsProcessor = Callable[[npt.NDArray[np.intc], npt.NDArray[np.float32]], Any]
 """llama-cpp-python's ``logits_processor``: ``(tokens so far, row) -> row`` (may change the row in place)."""
@@ -99,6 +102,28 @@ class Sampler:
                 if result is not None and result is not logits:
                     logits[:] = result
         return int(llama_cpp.llama_sampler_sample(self._chain, context.pointer, row))
+
+    def sample_row(self, row: npt.NDArray[np.float32], history: npt.NDArray[np.intc]) -> int:
+        """The next token from a logits row kept from an earlier decode (an exact repeat of a prompt),
+        through the same processors and chain as :meth:`sample`; ``row`` is not changed."""
+        if self._chain is None:
+            raise RuntimeError("the sampler is closed")
+        logits = row.copy()
+        for processor in self.processors:
+            result = processor(history, logits)
+            if result is not None and result is not logits:
+                logits[:] = result
+        candidates = np.empty(len(logits), dtype=_TOKEN_DATA)
+        candidates["id"] = np.arange(len(logits), dtype=np.int32)
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        array = llama_cpp.llama_token_data_array(
+            data=candidates.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)), size=len(logits),
+            selected=-1, sorted=False)
+        llama_cpp.llama_sampler_apply(self._chain, ctypes.byref(array))
+        token = int(array.data[array.selected].id)  # samplers may sort or replace the data they are given
+        llama_cpp.llama_sampler_accept(self._chain, token)
+        return token
 
     def close(self) -> None:
         """Free the chain (once)."""

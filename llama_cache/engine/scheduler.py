@@ -94,6 +94,7 @@ class Generation:
     todo: npt.NDArray[np.int32] = field(default_factory=lambda: np.empty(0, dtype=np.int32))
     resident: Resident | None = None
     generating: bool = False
+    stored_row: npt.NDArray[np.float32] | None = None  # an exact repeat's logits row, to sample from
     admitted: bool = False
     order: int = 0
 
@@ -227,6 +228,11 @@ class Scheduler:
         started = time.perf_counter()
         self._drop_cancelled()
         self._admit()
+        for generation in [g for g in self._running if g.stored_row is not None]:
+            row, generation.stored_row = generation.stored_row, None
+            resident = generation.resident
+            assert resident is not None
+            self._sample(generation, lambda g=generation, r=resident, x=row: g.sampler.sample_row(x, r.tokens))
         if not self._running:
             return False
         for _ in range(8):
@@ -285,6 +291,8 @@ class Scheduler:
         tokens = generation.tokens()
         limit = len(tokens) - 1  # the last token is evaluated: its row is sampled
         fingerprint = generation.fingerprint
+        if not generation.sampled and self._place_exact(generation, tokens):
+            return True
         source, reused = residency.reusable(tokens, fingerprint, limit)
         if not residency.whole_states_only and self._head_in_flight(tokens[:limit], fingerprint, reused):
             return False
@@ -317,6 +325,31 @@ class Scheduler:
             generation.reused = reused
         generation.todo = tokens[reused:]
         generation.generating = False
+        return True
+
+    def _place_exact(self, generation: Generation, tokens: npt.NDArray[np.int32]) -> bool:
+        """An exact repeat of a prompt a sequence holds with its logits row: it shares all the cells
+        and samples from that row, evaluating nothing. False: not one (or no sequence id now)."""
+        residency = self.residency
+        source, reused = residency.reusable(tokens, generation.fingerprint, len(tokens))
+        if source is None or reused != len(tokens) or source.logits is None or source.logits[0] != reused:
+            return False
+        row = source.logits[1]
+        if not source.busy and source.n == reused:
+            target: Resident | None = source
+        else:
+            target = residency.free() or self._evict_one(keep=source)
+            if target is None:
+                return False
+            self.context.copy_cells(source.seq, target.seq, reused)
+            residency.copied(source, target, reused)
+            self.stats.shared_tokens += reused
+        residency.claim(target, generation.fingerprint)
+        generation.resident = target
+        generation.reused = reused
+        generation.todo = tokens[:0]
+        generation.generating = False
+        generation.stored_row = row
         return True
 
     def _head_in_flight(self, tokens: npt.NDArray[np.int32], fingerprint: str, reused: int) -> bool:
@@ -493,19 +526,26 @@ class Scheduler:
                 generation.prompt_evaluated += count
             if len(generation.todo):
                 continue
-            try:
-                token = generation.sampler.sample(self.context, row + count - 1, resident.tokens)
-                generation.sampled.append(token)
-                generation.generating = True
-                reason = generation.on_token(token)
-            except Exception as error:  # noqa: BLE001 - one generation's failure is its own
-                logger.exception("a generation failed while sampling")
-                self._finish(generation, "error", error)
-                continue
-            if reason is not None:
-                self._finish(generation, reason)
-            else:
-                generation.todo = np.array([token], dtype=np.int32)
+            last = row + count - 1
+            if not generation.sampled:  # the prompt's last row: kept for an exact repeat
+                self.residency.kept_logits(resident, self.context.logits_row(last).copy())
+            self._sample(generation, lambda g=generation, r=resident, i=last: g.sampler.sample(self.context, i, r.tokens))
+
+    def _sample(self, generation: Generation, sample: Callable[[], int]) -> None:
+        """Sample ``generation``'s next token; it ends there or evaluates that token next."""
+        try:
+            token = sample()
+            generation.sampled.append(token)
+            generation.generating = True
+            reason = generation.on_token(token)
+        except Exception as error:  # noqa: BLE001 - one generation's failure is its own
+            logger.exception("a generation failed while sampling")
+            self._finish(generation, "error", error)
+            return
+        if reason is not None:
+            self._finish(generation, reason)
+        else:
+            generation.todo = np.array([token], dtype=np.int32)
 
     def _finish(self, generation: Generation, reason: str, error: BaseException | None = None) -> None:
         resident = generation.resident
