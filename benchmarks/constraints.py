@@ -56,7 +56,7 @@ from llama_cache import default_model_path
 from llama_cache.llama import Llama
 from llama_cache.server.config import ServerConfig
 from llama_cache.server.constraints import ConstraintCompiler, SequenceConstraint
-from llama_cache.server.contexts import prompt_tokens_for_chat
+from llama_cache.server.prompts import prompt_tokens_for_chat
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "constraints.json"

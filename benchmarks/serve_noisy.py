@@ -226,7 +226,7 @@ def worst_requests(limits: Limits, n_ctx: int, probe: Any, fill: float, messages
         fill: the share of the context the long prompts take.
         messages: the most short messages in a ``many_messages`` request (fewer when they do not fit).
     """
-    from llama_cache.server.contexts import prompt_tokens_for_chat
+    from llama_cache.server.prompts import prompt_tokens_for_chat
 
     def tokens(body: dict[str, Any]) -> int:
         return len(prompt_tokens_for_chat(probe, body["messages"], tools=body.get("tools")))

@@ -230,7 +230,7 @@ def n_prompts(tokens: int, seed: int) -> NPrompts:
     """Prompts of about ``tokens`` tokens of the default model's chat template (counted with its vocabulary)."""
     import llama_cpp
 
-    from llama_cache.server.contexts import prompt_tokens_for_chat
+    from llama_cache.server.prompts import prompt_tokens_for_chat
 
     probe = llama_cpp.Llama(str(default_model_path()), vocab_only=True, verbose=False)
     prompts = NPrompts(1000, {}, random.Random(0))

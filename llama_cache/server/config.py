@@ -260,9 +260,12 @@ class ServerConfig:
 _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "host": ("LLAMA_CACHE_HOST", str, "address to listen on (default 127.0.0.1)"),
     "port": ("LLAMA_CACHE_PORT", int, "port to listen on (default 8000)"),
-    "n_ctx": ("LLAMA_CACHE_N_CTX", int, f"tokens per context (default {DEFAULT_N_CTX})"),
+    "n_ctx": ("LLAMA_CACHE_N_CTX", int, f"KV cells of the one context, shared by every request; one request may "
+                                        f"use all of them, as llama-server's -c with --kv-unified (default "
+                                        f"{DEFAULT_N_CTX}; earlier versions: per context)"),
     "parallel": ("LLAMA_CACHE_PARALLEL", int,
-                 f"contexts, i.e. requests served at once (default {DEFAULT_PARALLEL}, as llama-server)"),
+                 f"requests served at once, each a sequence batched with the others (default {DEFAULT_PARALLEL}, "
+                 f"as llama-server)"),
     "cache_ram": ("LLAMA_CACHE_CACHE_RAM", int, "RAM prompt cache budget in bytes (default 2 GiB)"),
     "cache_dir": ("LLAMA_CACHE_CACHE_DIR", Path, "keep the prompt cache on disk in this directory"),
     "cache_disk": ("LLAMA_CACHE_CACHE_DISK", int, "disk prompt cache budget in bytes (default 2 GiB)"),
@@ -273,7 +276,7 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "shutdown_timeout": ("LLAMA_CACHE_SHUTDOWN_TIMEOUT", float,
                          "seconds SIGTERM waits for running requests before cancelling them (default 30)"),
     "n_threads": ("LLAMA_CACHE_THREADS", int,
-                  "llama.cpp threads per context, for prompts and generation (default: one per physical core, "
+                  "llama.cpp threads, for prompts and generation (default: one per physical core, "
                   "as llama-server)"),
     "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", on_off, "llama.cpp's flash attention, on or off (default on)"),
     "redis_write_through": ("LLAMA_CACHE_REDIS_WRITE_THROUGH", on_off,

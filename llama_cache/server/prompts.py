@@ -184,7 +184,7 @@ class _PromptProbe:
         return self._tokenize(text, add_bos, special)
 
     def _tokenize(self, text: bytes, add_bos: bool, special: bool) -> list[int]:
-        if self._fingerprint is not None:
+        if self._fingerprint is not None and isinstance(self._tokenizer, ServedTokenizer):
             return self._tokenizer.tokenize_for(self._fingerprint, text, add_bos, special)
         return self._tokenizer.tokenize(text, add_bos, special)
 
@@ -197,10 +197,20 @@ class _PromptProbe:
         return getattr(self._tokenizer, name)
 
 
-def prompt_tokens_for_chat(tokenizer: ServedTokenizer, messages: list[dict[str, Any]], *, bound: PromptTextBound | None = None,
+def _llama_chat_handler(llama: Any) -> Any:
+    """What ``llama_cpp.Llama.create_chat_completion`` renders with (a ``llama_cpp.Llama`` given to
+    :func:`prompt_tokens_for_chat`, as the benchmarks do)."""
+    import llama_cpp.llama_chat_format
+
+    return (llama._chat_handlers.get(llama.chat_format)  # noqa: SLF001 - what create_chat_completion uses
+            or llama_cpp.llama_chat_format.get_chat_completion_handler(llama.chat_format))
+
+
+def prompt_tokens_for_chat(tokenizer: ServedTokenizer | Any, messages: list[dict[str, Any]], *, bound: PromptTextBound | None = None,
                            cancelled: Callable[[], bool] | None = None, fingerprint: str | None = None,
                            **template_options: Any) -> list[int]:
-    """The tokens a chat completion of ``messages`` with ``template_options`` evaluates on the model of ``tokenizer``.
+    """The tokens a chat completion of ``messages`` with ``template_options`` evaluates on the model of
+    ``tokenizer`` (a :class:`ServedTokenizer`, or a ``llama_cpp.Llama``).
 
     Only renders and tokenizes (thread-safe on a shared model); evaluates nothing.
 
@@ -214,9 +224,9 @@ def prompt_tokens_for_chat(tokenizer: ServedTokenizer, messages: list[dict[str, 
         ValueError: the chat handler refused the messages or options (an unknown tool, say).
         PromptTooLong, RenderingCancelled: see above.
     """
+    handler = tokenizer.chat_handler or _llama_chat_handler(tokenizer)
     try:
-        tokenizer.chat_handler(llama=_PromptProbe(tokenizer, bound, cancelled, fingerprint), messages=messages,
-                               **template_options)  # type: ignore[arg-type]
+        handler(llama=_PromptProbe(tokenizer, bound, cancelled, fingerprint), messages=messages, **template_options)  # type: ignore[arg-type]
     except _Captured as captured:
         return captured.prompt
     except (TypeError, KeyError, AttributeError, jinja2.TemplateError) as error:
