@@ -305,9 +305,15 @@ class Scheduler:
             target: Resident | None = source  # a conversation's next turn: its sequence goes on
         else:
             target = residency.free() or self._evict_one(keep=source)
+            if target is None and restore is None and source is not None and not source.busy:
+                # The only sequence to be had holds this head: it goes on from there, its tail stored.
+                self._store_resident(source)
+                target = source
             if target is None:
                 return False
-            if restore is not None and self._restore(target, restore, usable, tokens):
+            if target is source:
+                pass
+            elif restore is not None and self._restore(target, restore, usable, tokens):
                 reused = usable
                 generation.restored = usable
             elif source is not None and reused > 0:

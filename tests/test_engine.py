@@ -1,0 +1,158 @@
+"""The engine on the real default model: shared prefix cells, batching, the tiers, eviction, preemption."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from llama_cache import Llama, LlamaRAMCache, default_model_path
+from llama_cache.engine import Engine
+from llama_cache.engine.residency import Residency
+from llama_cache.engine.text import StopText
+
+pytestmark = [pytest.mark.model]
+
+SYSTEM = "You are a careful assistant who answers in one short sentence. " * 6
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[Llama]:
+    llama = Llama(model_path=str(default_model_path()), verbose=False, n_ctx=1024, n_batch=512, n_ubatch=512,
+                  flash_attn=True)
+    yield llama
+    llama.close()
+
+
+def _greedy(engine: Engine, prompt: list[int], n: int = 8) -> tuple[str, int]:
+    completions = engine.completions()
+    text = completions.create_completion(prompt, max_tokens=n, temperature=0)["choices"][0]["text"]
+    return text, completions.last_prompt_tokens_evaluated
+
+
+def test_a_shared_head_is_taken_from_another_sequence_and_answers_as_a_single_context(reference: Llama) -> None:
+    head = reference.tokenize(SYSTEM.encode())
+    first = head + reference.tokenize(b" Question: what is a river?", add_bos=False)
+    second = head + reference.tokenize(b" Question: what is a lake?", add_bos=False)
+    with Engine(n_ctx=1024, parallel=2) as engine:
+        _greedy(engine, first)
+        text, evaluated = _greedy(engine, second)
+        assert 0 < evaluated <= len(second) - len(head)  # the head came from the first sequence's cells
+        assert engine.scheduler.stats.shared_tokens >= len(head)
+        # Its cells in position order, the answer is a single context's, bit for bit.
+        expected = reference.create_completion(second, max_tokens=8, temperature=0)["choices"][0]["text"]
+        assert text == expected
+
+
+def test_an_exact_repeat_evaluates_nothing_and_samples_the_same_token() -> None:
+    with Engine(n_ctx=512, parallel=1) as engine:
+        prompt = engine.model.tokenize(b"The three primary colours are")
+        first, _ = _greedy(engine, prompt, 4)
+        tokens = engine.scheduler.stats.tokens
+        again, evaluated = _greedy(engine, prompt, 4)
+        assert (again, evaluated) == (first, 0)
+        assert engine.scheduler.stats.tokens - tokens == 3  # the sampled tokens but the last, nothing else
+
+
+def test_sequences_decoded_together_each_get_their_own_tokens() -> None:
+    with Engine(n_ctx=1024, parallel=4) as engine:
+        words = [b" apple", b" river", b" stone", b" cloud"]
+        ids = [engine.model.tokenize(word, add_bos=False)[0] for word in words]
+        answers: dict[int, str] = {}
+
+        def ask(index: int) -> None:
+            from llama_cache.server.sequences import LogitBias
+
+            bias = LogitBias({ids[index]: 100.0})
+            answers[index] = engine.completions().create_completion(
+                f"Client {index}:", max_tokens=12, temperature=0, logits_processor=[bias])["choices"][0]["text"]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert answers == {i: (words[i].decode() * 12) for i in range(4)}
+        assert engine.scheduler.stats.steps < 4 * 12  # decoded together, not one sequence at a time
+
+
+def test_an_evicted_sequence_goes_to_the_tiers_and_comes_back_from_them() -> None:
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    with Engine(n_ctx=512, parallel=1, idle_sequences=0, cache=cache) as engine:
+        long = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 4)
+        _greedy(engine, long, 2)
+        other = engine.model.tokenize(b"Something else entirely, about mountains.")
+        _greedy(engine, other, 2)  # one sequence id: the first is evicted, its state stored first
+        assert engine.scheduler.stats.evicted >= 1 and len(cache) >= 1
+        more = long + engine.model.tokenize(b" Name one:", add_bos=False)
+        _, evaluated = _greedy(engine, more, 2)
+        assert engine.scheduler.stats.restored_tokens >= len(long) - 1
+        assert evaluated <= len(more) - len(long) + 1
+
+
+def test_a_full_pool_preempts_and_every_request_is_answered_whole() -> None:
+    # Four requests whose prompts and answers cannot all fit the pool at once.
+    with Engine(n_ctx=512, parallel=4) as engine:
+        prompts = [engine.model.tokenize(f"Story {i}: ".encode() + b"once upon a time there was a king. " * 12)
+                   for i in range(4)]
+        assert sum(len(p) + 64 for p in prompts) > engine.n_ctx
+        results: dict[int, dict] = {}
+
+        def ask(index: int) -> None:
+            results[index] = engine.completions().create_completion(prompts[index], max_tokens=64, temperature=0)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        assert sorted(results) == [0, 1, 2, 3]
+        assert all(r["choices"][0]["finish_reason"] in ("stop", "length") for r in results.values())
+        assert engine.residency.cells_in_use() <= engine.n_ctx
+
+
+def test_a_cancelled_generation_stops_and_leaves_its_sequence_idle() -> None:
+    with Engine(n_ctx=512, parallel=1) as engine:
+        stop = threading.Event()
+        seen: list[int] = []
+
+        def watch(token: int) -> None:
+            seen.append(token)
+            if len(seen) == 3:
+                stop.set()
+
+        completions = engine.completions(cancelled=stop.is_set, token_watcher=watch)
+        completions.create_completion("Count: 1, 2, 3,", max_tokens=200, temperature=0)
+        assert len(seen) < 10
+        assert engine.scheduler.running == 0 and engine.residency.idle()
+        assert _greedy(engine, engine.model.tokenize(b"Hi"), 2)[0]  # the engine goes on
+
+
+def test_the_cells_in_use_count_shared_cells_once() -> None:
+    residency = Residency(3)
+    a, b, c = residency.residents
+    residency.claim(a, "ns")
+    residency.appended(a, np.arange(100, dtype=np.int32))
+    residency.copied(a, b, 60)
+    residency.appended(b, np.arange(10, dtype=np.int32))
+    assert residency.cells_in_use() == 110
+    residency.emptied(a)
+    assert residency.cells_in_use() == 70  # b still holds 60 of a's cells and 10 of its own
+    residency.copied(b, c, 70)
+    residency.cut(b, 20)
+    assert residency.cells_in_use() == 70
+    assert residency.reusable(np.arange(80, dtype=np.int32), "ns")[1] == 60
+    assert residency.reusable(np.arange(80, dtype=np.int32), "other")[0] is None
+
+
+def test_stop_sequences_hold_back_what_may_start_one_and_cut_the_text() -> None:
+    text = StopText(["STOP", "\n\n"])
+    released = [text.add(piece) for piece in (b"Hello ", b"ST", b"O", b"P after")]
+    assert released == [b"Hello ", b"", b"", b""] and text.stopped and bytes(text.text) == b"Hello "
+    text = StopText(["STOP"])
+    assert text.add(b"a ST") == b"a " and text.add(b"ay") == b"STay"
+    text = StopText([])
+    assert text.add("é".encode()[:1]) == b"" and text.add("é".encode()[1:]) == "é".encode()
+    assert text.finish() == b""
