@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llama_cache.caches.disk import chunkstore
-from llama_cache.caches.disk.rows import _Entry, _is_int
-from llama_cache.caches.disk.schema import _SCHEMA, _delete_rows
+from llama_cache.caches.disk.rows import Entry, is_int
+from llama_cache.caches.disk.schema import SCHEMA, delete_rows
 
 if TYPE_CHECKING:
     from llama_cache.caches.disk.store import DiskStore
@@ -86,7 +86,7 @@ def empty_index_bytes() -> int:
     try:
         conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
-        for statement in _SCHEMA:
+        for statement in SCHEMA:
             conn.execute(statement)
         return int(conn.execute("PRAGMA page_count").fetchone()[0]) * _PAGE_SIZE
     finally:
@@ -171,7 +171,7 @@ def folder_bytes(conn: sqlite3.Connection, *, named_only: bool = False) -> int:
     row = conn.execute(
         f"SELECT COALESCE(SUM(bytes), 0) FROM folders WHERE {_VALID_FOLDER}{named}", (_MAX_FOLDER_BYTES,)
     ).fetchone()
-    return int(row[0]) if row is not None and _is_int(row[0]) else 0
+    return int(row[0]) if row is not None and is_int(row[0]) else 0
 
 
 def record_folders(conn: sqlite3.Connection, sizes: Mapping[str, int], gone: Iterable[str] = ()) -> None:
@@ -243,7 +243,7 @@ def files_bytes(store: DiskStore, conn: sqlite3.Connection) -> int:
 
 def evict_to_fit(
     store: DiskStore, conn: sqlite3.Connection, capacity: int, files: int, keep: Collection[int]
-) -> tuple[list[_Entry], list[tuple[str, int]], bool]:
+) -> tuple[list[Entry], list[tuple[str, int]], bool]:
     """Delete least recently used entries until ``files`` (the charge of the files the transaction
     leaves, as the caller computed it) plus the index and the folders fit ``capacity``.
 
@@ -260,7 +260,7 @@ def evict_to_fit(
         whether the total fits.
     """
     fixed = top_bytes(store) + folder_bytes(conn)
-    victims: list[_Entry] = []
+    victims: list[Entry] = []
     freed: list[tuple[str, int]] = []
     lru = iter(list(store.view.lru))
     exhausted = False
@@ -277,7 +277,7 @@ def evict_to_fit(
         if victim_id in keep:
             continue
         entry = store.view.entries[victim_id]
-        gone, linked = _delete_rows(conn, [entry])
+        gone, linked = delete_rows(conn, [entry])
         released = chunkstore.release(conn, linked)
         victims += gone
         freed += released

@@ -1,12 +1,12 @@
-"""The disk tier's store: the directory's lock, this process's index connection and view, payload reads.
+"""The disk tier's store: the directory's lock, this process's index connection and view, the counters.
 
 :class:`DiskStore` is what :class:`~.cache.LlamaDiskCache` and its helpers (:mod:`.chunked`,
-:mod:`.checker`, :mod:`.writes`) share, so that none of them reaches into the façade: the lock (the
+:mod:`.checker`, :mod:`.reads`, :mod:`.writes`) share, so that none of them reaches into the façade: the lock (the
 process's threads and, while the index is used, the directory's other processes: :mod:`.locking`), the
 SQLite connection (opened without shared memory by :mod:`.connection`, reopened after ``fork``, when
 another process replaced or removed the index, and after moving a damaged index aside), the in-memory
-:class:`~.view._IndexView` kept in step with the change log (:meth:`DiskStore.sync`), reading and
-checking payloads against their rows (:meth:`DiskStore.load`), touches and deletes through the change
+:class:`~.view.IndexView` kept in step with the change log (:meth:`DiskStore.sync`), the data folder
+(:class:`~.payloads.DataDir`; reading entries back is :mod:`.reads`), touches and deletes through the change
 log, removing files (and the shard folders that leaves empty: :meth:`DiskStore.remove_files`), the
 instance's counters and the storage settings (``compress``, ``fsync``, ``verify``, ``chunk_tokens``,
 which the façade's attributes of the same names read and set) and its byte budget (:mod:`.budget`).
@@ -28,25 +28,22 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.caches.disk import budget, chunked, chunkstore
+from llama_cache.caches.disk import budget, chunkstore
+from llama_cache.caches.disk.chunkstore import BrokenChain
 from llama_cache.caches.disk.connection import IndexConnection, connect, file_identity, is_damage, move_aside
 from llama_cache.caches.disk.locking import DirectoryLock
-from llama_cache.caches.disk.payloads import DATA_DIR, _DataDir, _Unreadable
-from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int
+from llama_cache.caches.disk.payloads import DATA_DIR, DataDir, Unreadable
+from llama_cache.caches.disk.rows import BadRow, Entry, entry_from_row, is_int
 from llama_cache.caches.disk.schema import (
-    _ROW,
-    _TOUCH,
+    ENTRY_ROW,
+    TOUCH,
     INDEX_FILE,
     CacheDirectoryError,
-    _create_schema,
-    _delete_rows,
-    _transaction,
+    create_schema,
+    delete_rows,
+    transaction,
 )
-from llama_cache.caches.disk.view import _IndexView
-from llama_cache.state.chunks import KIND_CHUNKED
-from llama_cache.state.format import KIND_UPSTREAM, CorruptStateError, decode, decode_upstream, payload_kind
-from llama_cache.state.llama_state import LlamaState
-from llama_cache.state.values import can_be_cut
+from llama_cache.caches.disk.view import IndexView
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -93,10 +90,10 @@ class DiskStore:
         self.block = block
         self.shards = budget.shard_count(capacity, block)  # folders new files are spread over
         self.data_dir = cache_dir / DATA_DIR
-        self.data = _DataDir(self.data_dir)
+        self.data = DataDir(self.data_dir)
         self.db_path = cache_dir / INDEX_FILE
         self.lock = DirectoryLock(cache_dir, timeout)
-        self.view = _IndexView(self.log_bad_row, block)
+        self.view = IndexView(self.log_bad_row, block)
         # The chunk files, as of the last sync: their bytes, and in whole blocks.
         self.chunk_bytes = self.chunk_charged = 0
         self.counters = Counters()
@@ -131,7 +128,7 @@ class DiskStore:
 
     def log_bad_row(self, table: str, rowid: Any, reason: str) -> None:
         """Log a malformed row once per (table, row)."""
-        marker = (table, rowid if _is_int(rowid) else -1)
+        marker = (table, rowid if is_int(rowid) else -1)
         if marker not in self._bad_rows:
             self._bad_rows.add(marker)
             logger.warning("disk cache: ignoring malformed %s row #%s in %s: %s", table, rowid, self.db_path, reason)
@@ -264,8 +261,8 @@ class DiskStore:
         )
 
     def _prepare(self, conn: IndexConnection) -> None:
-        with _transaction(conn):
-            _create_schema(conn, self.db_path)
+        with transaction(conn):
+            create_schema(conn, self.db_path)
         try:
             if budget.make_shrinkable(conn):
                 logger.info("disk cache: converted %s to incremental auto-vacuum (it can shrink now)", self.db_path)
@@ -283,58 +280,7 @@ class DiskStore:
 
     # ----------------------------------------------------------------------------------- entries
 
-    def load(self, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> Any:
-        """Read, decode and check an entry's payload. No lock needed: payload files never change.
-
-        Args:
-            entry: a validated entry.
-            key: its key (None: do not compare the state's tokens with it).
-            upto: return only the state of the first ``upto`` tokens (a cuttable entry's; None: all).
-
-        Raises:
-            _Unreadable: the file is missing, not a regular file, has the wrong length, does not
-                decode, or does not hold what its row says.
-            chunked.BrokenChain: a chunked entry's links or chunks are.
-        """
-        if entry.kind == KIND_CHUNKED:
-            return chunked.load(self, entry, key, upto)
-        state = self._load_whole(entry, key)
-        if upto is not None and isinstance(state, LlamaState) and state.layout is not None:
-            return state.prefix(upto, None)
-        return state
-
-    def _load_whole(self, entry: _Entry, key: npt.NDArray[np.int32] | None) -> Any:
-        """Read an entry stored whole (a payload file)."""
-        buffer = self.data.read(entry.file, entry.size, entry.codec, entry.raw_size)
-        try:
-            kind = payload_kind(buffer)
-            if kind != entry.kind:
-                raise _Unreadable(f"payload of kind {kind}, the index says {entry.kind}")
-            if kind == KIND_UPSTREAM:
-                state, namespace = decode_upstream(buffer, verify=self.verify)
-                fingerprint = getattr(state, "fingerprint", None)
-                cut, logits = True, bool(np.any(state.scores))
-                held: npt.NDArray[Any] = state.input_ids[: state.n_tokens]
-                if fingerprint is not None and fingerprint != namespace:
-                    raise _Unreadable("payload's fingerprint differs from its namespace")
-            else:
-                state = decode(buffer, verify=self.verify)
-                namespace, cut, logits, held = state.fingerprint, can_be_cut(state), state.logits is not None, state.tokens
-        except _Unreadable:
-            raise
-        except CorruptStateError as error:
-            raise _Unreadable(f"corrupt payload: {error}") from None
-        except Exception as error:  # noqa: BLE001 - odd bytes past the checksum must stay a miss
-            raise _Unreadable(f"undecodable payload: {type(error).__name__}: {error}") from None
-        if namespace != entry.namespace:
-            raise _Unreadable("payload belongs to another model than its index entry")
-        if cut != entry.cut or logits != entry.logits or len(held) != entry.n_state:
-            raise _Unreadable("payload does not hold what its index entry says")
-        if key is not None and (len(key) != entry.n_key or not np.array_equal(held[: len(key)], key)):
-            raise _Unreadable("payload does not hold the tokens of its key")
-        return state
-
-    def forget_unreadable(self, entry: _Entry, problem: _Unreadable) -> None:
+    def forget_unreadable(self, entry: Entry, problem: Unreadable) -> None:
         """Remove an entry whose payload could not be loaded, unless another process already did."""
         with self.lock:
             self.sync()
@@ -343,7 +289,7 @@ class DiskStore:
             logger.warning("disk cache: dropping entry %s (%s): %s", entry.id, entry.file, problem)
             self.delete([entry])
 
-    def forget_broken_chunk(self, entry: _Entry, broken: chunked.BrokenChain) -> None:
+    def forget_broken_chunk(self, entry: Entry, broken: BrokenChain) -> None:
         """Remove a damaged chunk and every entry linking it, unless the chain changed meanwhile.
 
         A chunk freed or absorbed by another process between reading the links and opening the file
@@ -380,11 +326,11 @@ class DiskStore:
         """
         conn = self.connection()
         try:
-            with _transaction(conn):
+            with transaction(conn):
                 before = budget.index_pages(conn)
                 cursor = conn.execute(
                     "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?",
-                    (_TOUCH, entry_id),
+                    (TOUCH, entry_id),
                 )
                 if cursor.rowcount:
                     conn.execute(
@@ -398,7 +344,7 @@ class DiskStore:
         self.sync_or_log(force=True)
         self.remove_files([victim.file for victim in evicted] + [file for file, _ in freed])
 
-    def delete(self, victims: list[_Entry]) -> list[_Entry]:
+    def delete(self, victims: list[Entry]) -> list[Entry]:
         """Delete entries in one transaction, then unlink their files. Lock held; errors are logged.
 
         Should logging the deletes take the index over the budget, least recently used entries are
@@ -411,9 +357,9 @@ class DiskStore:
             return []
         try:
             conn = self.connection()
-            with _transaction(conn):
+            with transaction(conn):
                 before = budget.index_pages(conn)
-                deleted, linked = _delete_rows(conn, victims)
+                deleted, linked = delete_rows(conn, victims)
                 freed = chunkstore.release(conn, linked)
                 evicted, also_freed = self._fit_grown_index(conn, before, {victim.id for victim in victims})
         except sqlite3.Error as error:
@@ -425,7 +371,7 @@ class DiskStore:
 
     def _fit_grown_index(
         self, conn: sqlite3.Connection, before: int, keep: set[int]
-    ) -> tuple[list[_Entry], list[tuple[str, int]]]:
+    ) -> tuple[list[Entry], list[tuple[str, int]]]:
         """In a write transaction that may have grown the index past ``before`` pages: evict least
         recently used entries (not in ``keep``) until the directory fits the budget again. Lock held.
 
@@ -460,7 +406,7 @@ class DiskStore:
         with self.lock:
             try:
                 conn = self.connection()
-                with _transaction(conn):
+                with transaction(conn):
                     still = self.data.folder_sizes(folders)
                     budget.record_folders(conn, still, gone=folders - still.keys())
             except sqlite3.Error as error:
@@ -473,7 +419,7 @@ class DiskStore:
         with self.lock:
             try:
                 conn = self.connection()
-                with _transaction(conn):
+                with transaction(conn):
                     budget.replace_folders(conn, self.data.folder_sizes())
             except sqlite3.Error as error:
                 logger.warning("disk cache: could not measure the folders: %s", error)
@@ -491,13 +437,13 @@ class DiskStore:
             + budget.top_bytes(self) + budget.folder_bytes(conn)
         )
 
-    def valid_rows(self, order: str = "recency") -> list[tuple[_Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:
+    def valid_rows(self, order: str = "recency") -> list[tuple[Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:
         """Every valid row of the entries table with its extra columns (created, accessed, hits). Lock held."""
         out = []
-        for row in self.connection().execute(f"SELECT {_ROW}, created, accessed, hits FROM entries ORDER BY {order}"):
+        for row in self.connection().execute(f"SELECT {ENTRY_ROW}, created, accessed, hits FROM entries ORDER BY {order}"):
             try:
-                entry, tokens = _entry_from_row(row[:12])
-            except _BadRow as problem:
+                entry, tokens = entry_from_row(row[:12])
+            except BadRow as problem:
                 self.log_bad_row("entries", row[0], str(problem))
                 continue
             out.append((entry, tokens, row[12:]))

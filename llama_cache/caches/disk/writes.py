@@ -25,8 +25,9 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.disk import budget, chunked, chunkstore
-from llama_cache.caches.disk.rows import _is_int, _key_blob, _key_hash, _state_cap
-from llama_cache.caches.disk.schema import _ADD, _DELETE, _delete_rows, _maybe_trim, _transaction
+from llama_cache.caches.disk.payloads import new_name
+from llama_cache.caches.disk.rows import is_int, key_blob, key_hash, state_cap
+from llama_cache.caches.disk.schema import ADD, DELETE, delete_rows, maybe_trim, transaction
 from llama_cache.caches.disk.store import DiskStore
 from llama_cache.state.chunks import KIND_CHUNKED, encode_head
 from llama_cache.state.format import KIND_UPSTREAM, encode, encode_upstream, encoded_size
@@ -85,18 +86,18 @@ def store_state(
         return
     raw_size = encoded_size(parts)
     cut = kind == KIND_UPSTREAM or can_be_cut(value)
-    if raw_size > _state_cap(len(tokens)):
+    if raw_size > state_cap(len(tokens)):
         with store.lock:
             store.counters.store_errors += 1
         logger.warning(
             "disk cache: not caching a %d-byte state for %d tokens: above the %d bytes any reader accepts",
-            raw_size, len(tokens), _state_cap(len(tokens)),
+            raw_size, len(tokens), state_cap(len(tokens)),
         )
         return
     if store.compress is None and raw_size > capacity:
         _reject(store, capacity, namespace, tokens, raw_size)
         return
-    name = chunked.new_name(store.shards)
+    name = new_name(store.shards)
     try:
         size = store.data.write(name, parts, store.compress, store.fsync)
     except OSError as error:
@@ -141,7 +142,7 @@ def _store_chunked(
             return
         head = encode_head(state, chain.chunk_tokens)
         raw_size = encoded_size(head)
-        name = chunked.new_name(store.shards)
+        name = new_name(store.shards)
         try:
             chunked.write_chunks(store, state, namespace, chain)
             size = store.data.write(name, head, store.compress, store.fsync)
@@ -165,14 +166,14 @@ def _commit(
         False when a chunk ``chain`` counted on is gone (nothing committed, the files written are
         removed: plan again), else True (committed, rejected or failed and logged).
     """
-    blob = _key_blob(tokens)
+    blob = key_blob(tokens)
     now = time.time()
     unused: list[str] = []  # files written by this store that another store's rows made redundant
     freed: list[tuple[str, int]] = []
     with store.lock:
         try:
             conn = store.connection()
-            with _transaction(conn):
+            with transaction(conn):
                 store.sync(force=True)  # under the write lock: the local view equals the index
                 unlinked: set[bytes] = set()
                 if chain is not None:
@@ -189,15 +190,15 @@ def _commit(
                 hits = 0
                 if old is not None:
                     found = conn.execute("SELECT hits FROM entries WHERE id = ?", (old.id,)).fetchone()
-                    hits = found[0] if found is not None and _is_int(found[0]) and found[0] >= 0 else 0
-                victims, linked = _delete_rows(conn, [old] if old is not None else [])
+                    hits = found[0] if found is not None and is_int(found[0]) and found[0] >= 0 else 0
+                victims, linked = delete_rows(conn, [old] if old is not None else [])
                 unlinked |= linked
                 # A malformed row holding this key (not in memory) would break UNIQUE: it goes too.
-                key_hash = _key_hash(blob)
+                digest = key_hash(blob)
                 for (stale,) in conn.execute(
-                    "SELECT id FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, key_hash)
+                    "SELECT id FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, digest)
                 ).fetchall():
-                    conn.execute("INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_DELETE, stale))
+                    conn.execute("INSERT INTO changes (op, entry_id) VALUES (?, ?)", (DELETE, stale))
                     conn.execute("DELETE FROM entries WHERE id = ?", (stale,))
                     unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (stale,)))
                     conn.execute("DELETE FROM links WHERE entry_id = ?", (stale,))
@@ -205,7 +206,7 @@ def _commit(
                     "INSERT INTO entries (namespace, key, key_hash, kind, cut, logits, n_state, file, size, "
                     "raw_size, codec, created, accessed, recency, hits) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                    (namespace, blob, key_hash, *row, name, size, raw_size,
+                    (namespace, blob, digest, *row, name, size, raw_size,
                      "raw" if store.compress is None else "zlib", now, now, hits),
                 )
                 entry_id = cursor.lastrowid
@@ -217,11 +218,11 @@ def _commit(
                     chunkstore.link(conn, entry_id, chain.ids)
                 freed += chunkstore.release(conn, unlinked)
                 seq = conn.execute(
-                    "INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_ADD, entry_id)
+                    "INSERT INTO changes (op, entry_id) VALUES (?, ?)", (ADD, entry_id)
                 ).lastrowid
                 assert seq is not None
                 conn.execute("UPDATE entries SET recency = ? WHERE id = ?", (seq, entry_id))
-                _maybe_trim(conn, seq)
+                maybe_trim(conn, seq)
                 # The folders this store wrote into, as they are now (they may have grown).
                 files_written = [name] + ([chunk.file for chunk in chain.written] if chain is not None else [])
                 written = {file.partition("/")[0] for file in files_written}
