@@ -105,20 +105,44 @@ def index_pages(conn: sqlite3.Connection) -> int:
 
 
 def index_bytes(conn: sqlite3.Connection, block: int, path: Path) -> int:
-    """Bytes of the index file at ``path``, as of the caller's transaction (pages it added included).
+    """Bytes of the index file at ``path``, as of the caller's transaction (pages it added included):
+    :func:`index_size` with the page size read too."""
+    return index_size(conn, block, path, int(conn.execute("PRAGMA page_size").fetchone()[0]))[1]
 
-    The pages in whole blocks, plus the blocks the file system spends on the file beyond its data as
-    the file is now (ext4 counts an extent block in ``st_blocks`` once a file is in more than four
-    pieces, which SQLite's writes out of order soon make). One ``stat``.
-    """
-    pages = conn.execute("PRAGMA page_count").fetchone()[0]
-    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+
+def index_size(conn: sqlite3.Connection, block: int, path: Path, page_size: int) -> tuple[int, int]:
+    """Pages of the index as of the caller's transaction, and the bytes of its file (:func:`index_bytes_of`).
+    One pragma and one ``stat``."""
+    pages = int(conn.execute("PRAGMA page_count").fetchone()[0])
+    return pages, index_bytes_of(pages, page_size, block, path)
+
+
+def index_bytes_of(pages: int, page_size: int, block: int, path: Path) -> int:
+    """Bytes an index of ``pages`` pages takes: the pages in whole blocks, plus the blocks the file
+    system spends on the file at ``path`` beyond its data as the file is now (ext4 counts an extent
+    block in ``st_blocks`` once a file is in more than four pieces, which SQLite's writes out of order
+    soon make). One ``stat``."""
     try:
         found = os.stat(path)
         extra = max(0, found.st_blocks * 512 - charge(found.st_size, block))
     except OSError:
         extra = 0
-    return charge(int(pages) * int(page_size), block) + extra
+    return charge(pages * page_size, block) + extra
+
+
+# A whole-state store writes into at most this many b-trees: entries and its two indexes, changes,
+# folders, meta and sqlite_sequence (chunked stores, which write more, count pages instead).
+_STORE_TREES = 7
+_TREE_DEPTH = 8  # more levels than an index of billions of rows has
+_POINTER_MAP_PAGES = 2  # auto-vacuum's pointer-map pages that new pages may need
+
+
+def growth_bound(key_bytes: int, page_size: int) -> int:
+    """The most pages a whole-state store's rows can add to the index: a key of ``key_bytes`` bytes in
+    overflow pages, and in each b-tree written a split at every level (two new pages each: SQLite's
+    balance makes at most one more sibling per level, the root one more level) and a new root."""
+    overflow = -(-key_bytes // (page_size - 4)) + 1  # 4 bytes of each overflow page hold its link
+    return overflow + _STORE_TREES * (2 * _TREE_DEPTH + 1) + _POINTER_MAP_PAGES
 
 
 _VALID_FOLDER = "name GLOB '[0-9a-f][0-9a-f]' AND typeof(bytes) = 'integer' AND bytes >= 0 AND bytes <= ?"
@@ -172,6 +196,15 @@ def folder_bytes(conn: sqlite3.Connection, *, named_only: bool = False) -> int:
         f"SELECT COALESCE(SUM(bytes), 0) FROM folders WHERE {_VALID_FOLDER}{named}", (_MAX_FOLDER_BYTES,)
     ).fetchone()
     return int(row[0]) if row is not None and is_int(row[0]) else 0
+
+
+def read_folders(conn: sqlite3.Connection) -> dict[str, int]:
+    """The valid rows of the ``folders`` table (a folder name and a size within bounds): one query."""
+    return {
+        name: int(nbytes)
+        for name, nbytes in conn.execute(f"SELECT name, bytes FROM folders WHERE {_VALID_FOLDER}", (_MAX_FOLDER_BYTES,))
+        if isinstance(name, str) and is_int(nbytes)
+    }
 
 
 def record_folders(conn: sqlite3.Connection, sizes: Mapping[str, int], gone: Iterable[str] = ()) -> None:
@@ -242,7 +275,8 @@ def files_bytes(store: DiskStore, conn: sqlite3.Connection) -> int:
 
 
 def evict_to_fit(
-    store: DiskStore, conn: sqlite3.Connection, capacity: int, files: int, keep: Collection[int]
+    store: DiskStore, conn: sqlite3.Connection, capacity: int, files: int, keep: Collection[int],
+    grown: int | None = None,
 ) -> tuple[list[Entry], list[tuple[str, int]], bool]:
     """Delete least recently used entries until ``files`` (the charge of the files the transaction
     leaves, as the caller computed it) plus the index and the folders fit ``capacity``.
@@ -259,12 +293,16 @@ def evict_to_fit(
         The entries deleted, the chunks freed (``(file, size)``: unlink them after commit), and
         whether the total fits.
     """
-    fixed = top_bytes(store) + folder_bytes(conn)
+    fixed = top_bytes(store) + sum(store.folder_sizes(conn).values())
+    if grown is not None:  # far from the budget, an upper bound of the index tells without counting pages
+        bound = store.index_bound(conn, grown)
+        if bound is not None and files + fixed + bound <= capacity:
+            return [], [], True
     victims: list[Entry] = []
     freed: list[tuple[str, int]] = []
     lru = iter(list(store.view.lru))
     exhausted = False
-    while files + fixed + index_bytes(conn, store.block, store.db_path) > capacity:
+    while files + fixed + store.index_bytes(conn) > capacity:
         if reclaim_free_pages(conn):
             continue
         victim_id = next(lru, None)

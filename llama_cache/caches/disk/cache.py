@@ -41,7 +41,6 @@ from llama_cache.caches.disk.rows import (
     is_int,
     model_info_from_row,
 )
-from llama_cache.caches.disk.schema import transaction
 from llama_cache.caches.disk.store import DiskStore
 from llama_cache.caches.write_behind import WriteBehindQueue
 from llama_cache.state.chunks import KIND_CHUNKED, MAX_CHUNK_FILE_TOKENS
@@ -282,7 +281,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             row = conn.execute("SELECT info FROM models WHERE fingerprint = ?", (fingerprint,)).fetchone()
             if row is not None and row[0] == text:
                 return
-            with transaction(conn):
+            with self._store.transaction() as conn:
                 conn.execute("INSERT OR REPLACE INTO models (fingerprint, info) VALUES (?, ?)", (fingerprint, text))
         except sqlite3.Error as error:
             logger.warning("disk cache: could not record the model of %s: %s", fingerprint, error)

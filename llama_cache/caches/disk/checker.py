@@ -28,7 +28,7 @@ from llama_cache.caches.disk import reads
 from llama_cache.caches.disk.chunkstore import BrokenChain
 from llama_cache.caches.disk.payloads import Unreadable
 from llama_cache.caches.disk.rows import BadRow, Entry, entry_from_row, is_int, model_info_from_row
-from llama_cache.caches.disk.schema import DELETE, ENTRY_ROW, transaction
+from llama_cache.caches.disk.schema import DELETE, ENTRY_ROW
 
 if TYPE_CHECKING:
     from llama_cache.caches.disk.store import DiskStore
@@ -285,8 +285,7 @@ def _release_leaked(store: DiskStore, leaked: list[bytes]) -> None:
     if not leaked:
         return
     try:
-        conn = store.connection()
-        with transaction(conn):
+        with store.transaction() as conn:
             freed = chunkstore.release(conn, leaked)
     except sqlite3.Error as error:
         logger.warning("check: could not free leaked chunks: %s", error)
@@ -301,8 +300,7 @@ def _delete_malformed(store: DiskStore, malformed: list[tuple[str, Any, str]]) -
         return 0
     removed = 0
     try:
-        conn = store.connection()
-        with transaction(conn):
+        with store.transaction() as conn:
             for table, rowid, _ in malformed:
                 if table == "entries":
                     conn.execute(

@@ -120,7 +120,8 @@ class DataDir:
         self.path = path
 
     def _open_subdir(self, subdir: str, create: bool = False) -> int:
-        """A descriptor of a shard folder (made first with ``create``); the caller closes it.
+        """A descriptor of a shard folder (with ``create``, made if it does not exist, and ``data/``
+        too); the caller closes it. Two ``open`` calls when the folder exists (no ``mkdir``).
 
         Raises:
             ValueError: not a shard folder name.
@@ -129,13 +130,23 @@ class DataDir:
         """
         if not _SUBDIR_NAME.fullmatch(subdir):
             raise ValueError(f"not a payload folder name: {subdir!r}")
-        data_fd = os.open(self.path, _O_DIR)
         try:
-            if create:
-                try:
-                    os.mkdir(subdir, 0o755, dir_fd=data_fd)
-                except FileExistsError:
-                    pass
+            data_fd = os.open(self.path, _O_DIR)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self.path, exist_ok=True)  # removed under the cache: made again
+            data_fd = os.open(self.path, _O_DIR)
+        try:
+            try:
+                return os.open(subdir, _O_DIR, dir_fd=data_fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+            try:
+                os.mkdir(subdir, 0o755, dir_fd=data_fd)
+            except FileExistsError:  # made meanwhile by another writer
+                pass
             return os.open(subdir, _O_DIR, dir_fd=data_fd)
         finally:
             os.close(data_fd)
@@ -188,7 +199,6 @@ class DataDir:
         docstring). On an exception the file is removed, and its folder too if that left it empty.
         """
         subdir, base = self._split(name)
-        os.makedirs(self.path, exist_ok=True)
         dir_fd, fd = self._create_in(subdir, base)
         try:
             try:

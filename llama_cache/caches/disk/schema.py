@@ -174,15 +174,25 @@ def log_floor(conn: sqlite3.Connection) -> int | None:
     return int(row[0])
 
 
-def maybe_trim(conn: sqlite3.Connection, seq: int) -> None:
-    """Trim the change log once it holds ``_TRIM_EVERY`` rows past the floor; repair a damaged floor."""
-    floor = log_floor(conn)
+def maybe_trim(conn: sqlite3.Connection, seq: int, floor: int | None) -> int | None:
+    """Trim the change log once it holds ``_TRIM_EVERY`` rows past the floor; repair a damaged floor.
+
+    Args:
+        seq: the last row of the log.
+        floor: the trim point as the caller's view last read it (:func:`log_floor`; None: missing or
+            damaged), in step with the index (no other connection committed since).
+
+    Returns:
+        The trim point now. No statement unless the log is trimmed or the floor repaired.
+    """
     if floor is None:  # damaged: every process rebuilds once, then the log continues from here
         conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('floor', ?)", (seq,))
-    elif seq - floor >= _TRIM_EVERY:
+        return seq
+    if seq - floor >= _TRIM_EVERY:
         floor = seq - _TRIM_KEEP
         conn.execute("DELETE FROM changes WHERE seq <= ?", (floor,))
         conn.execute("UPDATE meta SET value = ? WHERE name = 'floor'", (floor,))
+    return floor
 
 
 @contextmanager

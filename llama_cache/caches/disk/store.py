@@ -21,6 +21,8 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,14 @@ class DiskStore:
         self.view = IndexView(self.log_bad_row, block)
         # The chunk files, as of the last sync: their bytes, and in whole blocks.
         self.chunk_bytes = self.chunk_charged = 0
+        # Figures of the index kept between statements while no other connection commits (see
+        # sync): the folders table's valid rows and the page size. None: read them at the next use.
+        self._folders: dict[str, int] | None = None
+        self._page_size: int | None = None
+        # An upper bound of the index's pages as of now (None: unknown): measured, then grown by the
+        # most a store's rows can add (budget.growth_bound), so that stores far from the budget need
+        # no page count. Dropped by every write transaction but the stores' and by mark_stale.
+        self._pages_bound: int | None = None
         self.counters = Counters()
         # Per-process state (reset after fork): the connection and what it has replayed.
         self._pid = os.getpid()
@@ -122,7 +132,7 @@ class DiskStore:
             _ABANDONED.append(self._conn)  # closing it could disturb the parent's transaction
             self._conn = None
         self._pid = os.getpid()
-        self._data_version = -1  # the in-memory index stays valid; the next sync catches up
+        self.mark_stale()  # the in-memory index stays valid; the next sync catches up
 
     # ----------------------------------------------------------------------------- keeping in step
 
@@ -143,23 +153,111 @@ class DiskStore:
     def sync(self, force: bool = False) -> None:
         """Apply the changes other connections committed since the last sync. Lock held.
 
-        Cheap when nothing changed: one ``PRAGMA data_version``.
+        Cheap when nothing changed: one ``PRAGMA data_version`` (which changes exactly when another
+        connection commits; this connection's own writes keep the view in step themselves: see
+        :meth:`added` and the callers of ``sync(force=True)``). A replay that fails leaves the view
+        marked out of step, so that the next sync replays again.
         """
         conn = self.connection()
         version = conn.execute("PRAGMA data_version").fetchone()[0]
         if version == self._data_version and not force:
             return
-        self._data_version = version
+        self.mark_stale()
         if conn.in_transaction:
             self.view.replay(conn)
             self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
-            return
-        conn.execute("BEGIN")
+        else:
+            conn.execute("BEGIN")
+            try:
+                self.view.replay(conn)
+                self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
+            finally:
+                conn.execute("COMMIT")
+        self._data_version = version
+
+    def mark_stale(self) -> None:
+        """Forget what this process knows of the index beyond its view, and mark the view for a replay
+        at the next :meth:`sync` (after a write that failed half-way, or before replaying). Lock held."""
+        self._data_version = -1
+        self._folders = None
+        self._page_size = None
+        self._pages_bound = None
+
+    def added(self, entry: Entry, tokens: npt.NDArray[np.int32]) -> None:
+        """Take into the view an entry this connection has just committed, with the only change-log row
+        its transaction wrote (its add, ``entry.recency``), the view having been in step when the
+        transaction began: what replaying that row would do, without the queries. Lock held."""
+        self.view.add(entry, tokens)
+        self.view.last_seq = entry.recency
+
+    # ------------------------------------------------------------------------------ index figures
+
+    def folder_sizes(self, conn: sqlite3.Connection) -> dict[str, int]:
+        """The recorded sizes of the shard folders (valid rows of the ``folders`` table), read once
+        and then kept in step by :meth:`record_folders` until another connection commits. Lock held;
+        in the caller's transaction. Do not modify the returned mapping."""
+        if self._folders is None:
+            self._folders = budget.read_folders(conn)
+        return self._folders
+
+    def record_folders(self, conn: sqlite3.Connection, sizes: dict[str, int], gone: set[str]) -> None:
+        """Record measured folder sizes and forget folders found missing, writing only the rows that
+        change (most stores change none). Lock held; in the caller's write transaction (whose
+        failure must be followed by :meth:`mark_stale`)."""
+        known = self.folder_sizes(conn)
+        changed = {name: nbytes for name, nbytes in sizes.items() if known.get(name) != nbytes}
+        missing = set(gone)
+        if changed or missing:
+            budget.record_folders(conn, changed, gone=missing)
+            known.update(changed)
+            for name in missing:
+                known.pop(name, None)
+
+    def page_size(self, conn: sqlite3.Connection) -> int:
+        """The index's page size, read once per connection (and again after another one committed)."""
+        if self._page_size is None:
+            self._page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        return self._page_size
+
+    def index_bytes(self, conn: sqlite3.Connection) -> int:
+        """Bytes of the index file as of the caller's transaction (:func:`.budget.index_bytes`): one
+        ``PRAGMA page_count`` and a ``stat``. Lock held; the last statement of a store's transaction
+        that changes the index (the page count it measures is then this connection's bound)."""
+        pages, nbytes = budget.index_size(conn, self.block, self.db_path, self.page_size(conn))
+        self._pages_bound = pages
+        return nbytes
+
+    def index_bound(self, conn: sqlite3.Connection, grown: int) -> int | None:
+        """An upper bound of the index's bytes once a store's rows, which can add at most ``grown``
+        pages (:func:`.budget.growth_bound`), are written, without counting pages; None when no bound
+        is known. Taking it makes it this connection's bound. Lock held, in a store's transaction."""
+        if self._pages_bound is None:
+            return None
+        self._pages_bound += grown
+        return budget.index_bytes_of(self._pages_bound, self.page_size(conn), self.block, self.db_path)
+
+    @contextmanager
+    def transaction(self, store: bool = False) -> Iterator[IndexConnection]:
+        """A write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``) on this process's connection. Lock held.
+
+        Args:
+            store: the transaction of a store (:mod:`.writes`), which keeps the bound of the index's
+                pages (:meth:`index_bound`); any other drops it.
+
+        On failure (rolled back) the view and figures are marked for a replay (:meth:`mark_stale`).
+
+        Raises:
+            sqlite3.Error: the index is unavailable, or a statement failed.
+        """
+        conn = self.connection()
+        if not store:
+            self._pages_bound = None
         try:
-            self.view.replay(conn)
-            self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
-        finally:
-            conn.execute("COMMIT")
+            with transaction(conn):
+                yield conn
+        except BaseException:
+            self.mark_stale()
+            raise
 
     # ------------------------------------------------------------------------------- connection
 
@@ -251,7 +349,7 @@ class DiskStore:
             raise CacheDirectoryError(
                 error.errno, f"cannot move the damaged disk cache index {str(self.db_path)!r} aside: {error.strerror}"
             ) from None
-        self._data_version = -1
+        self.mark_stale()
         if aside is None:
             return  # another process moved it first
         self.counters.index_resets += 1
@@ -276,6 +374,7 @@ class DiskStore:
             self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
         finally:
             conn.execute("COMMIT")
+        self.mark_stale()  # a new connection: its figures are read again when needed
         self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
 
     # ----------------------------------------------------------------------------------- entries
@@ -318,15 +417,17 @@ class DiskStore:
             )
             self.delete(victims)
 
-    def touch(self, entry_id: int, hit: bool = True) -> None:
+    def touch(self, entry_id: int, hit: bool = True) -> bool:
         """Make an entry the most recently used, for every process. Lock held; errors are logged.
 
         Should the change log's row take the index over the budget (a new page), least recently used
         entries are evicted in the same transaction.
+
+        Returns:
+            Whether the entry was there to touch (False also when the index is unavailable).
         """
-        conn = self.connection()
         try:
-            with transaction(conn):
+            with self.transaction() as conn:
                 before = budget.index_pages(conn)
                 cursor = conn.execute(
                     "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?",
@@ -340,9 +441,10 @@ class DiskStore:
                 evicted, freed = self._fit_grown_index(conn, before, {entry_id})
         except sqlite3.Error as error:
             logger.warning("disk cache: could not record a hit: %s", error)
-            return
+            return False
         self.sync_or_log(force=True)
         self.remove_files([victim.file for victim in evicted] + [file for file, _ in freed])
+        return cursor.rowcount > 0
 
     def delete(self, victims: list[Entry]) -> list[Entry]:
         """Delete entries in one transaction, then unlink their files. Lock held; errors are logged.
@@ -356,8 +458,7 @@ class DiskStore:
         if not victims:
             return []
         try:
-            conn = self.connection()
-            with transaction(conn):
+            with self.transaction() as conn:
                 before = budget.index_pages(conn)
                 deleted, linked = delete_rows(conn, victims)
                 freed = chunkstore.release(conn, linked)
@@ -405,10 +506,9 @@ class DiskStore:
         instead). Takes the lock; errors are logged."""
         with self.lock:
             try:
-                conn = self.connection()
-                with transaction(conn):
+                with self.transaction() as conn:
                     still = self.data.folder_sizes(folders)
-                    budget.record_folders(conn, still, gone=folders - still.keys())
+                    self.record_folders(conn, still, gone=folders - still.keys())
             except sqlite3.Error as error:
                 logger.warning("disk cache: could not record removed folders: %s", error)
 
@@ -418,8 +518,8 @@ class DiskStore:
         per folder; errors are logged."""
         with self.lock:
             try:
-                conn = self.connection()
-                with transaction(conn):
+                with self.transaction() as conn:
+                    self._folders = None
                     budget.replace_folders(conn, self.data.folder_sizes())
             except sqlite3.Error as error:
                 logger.warning("disk cache: could not measure the folders: %s", error)
@@ -433,8 +533,8 @@ class DiskStore:
         self.sync()
         conn = self.connection()
         return (
-            self.view.charged + self.chunk_charged + budget.index_bytes(conn, self.block, self.db_path)
-            + budget.top_bytes(self) + budget.folder_bytes(conn)
+            self.view.charged + self.chunk_charged + self.index_bytes(conn)
+            + budget.top_bytes(self) + sum(self.folder_sizes(conn).values())
         )
 
     def valid_rows(self, order: str = "recency") -> list[tuple[Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:

@@ -48,6 +48,7 @@ class IndexView:
         self.charged = 0  # the same in whole blocks
         self.block = block
         self.last_seq = 0  # the last change-log row applied
+        self.floor: int | None = None  # the change log's trim point as last read (None: damaged)
         self._log_bad_row = log_bad_row
 
     def _count(self, entry: Entry, sign: int) -> None:
@@ -81,6 +82,7 @@ class IndexView:
         if floor is None or self.last_seq < floor:
             self.rebuild(conn)
             return
+        self.floor = floor
         try:
             self._replay_rows(conn)
         except (BadRow, ValueError, TypeError, KeyError, IndexError) as error:
@@ -168,7 +170,7 @@ class IndexView:
         self.bytes = self.charged = 0
         row = conn.execute("SELECT max(seq) FROM changes").fetchone()
         self.last_seq = row[0] if row and is_int(row[0]) else 0
-        floor = log_floor(conn)
+        floor = self.floor = log_floor(conn)
         if floor is not None and floor > self.last_seq:
             self.last_seq = floor
         for row in conn.execute(f"SELECT {ENTRY_ROW} FROM entries ORDER BY recency"):
