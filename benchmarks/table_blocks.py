@@ -719,8 +719,11 @@ def disk_io(results: Results) -> str:
     return "\n\n".join([
         f"Synthetic states sized like the default model's KV; medians of {settings['rounds']} fresh processes per "
         f"side, alternating; \"before\" is commit {settings['before']} (mmap, WAL). A rate (/s) is better higher, a "
-        "time better lower:",
+        "time better lower; statements and system calls are counted per store:",
         table(["measure", "before", "after", "after / before"], rows),
+        *(["Targets (issue #28):\n\n" + "\n".join(
+            f"- {t['what']}: {t['value']} **{'met' if t['met'] else 'not met'}**" for t in run["targets"])]
+          if run.get("targets") else []),
         conditions(run),
     ])
 

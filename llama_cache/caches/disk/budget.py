@@ -293,7 +293,7 @@ def evict_to_fit(
         The entries deleted, the chunks freed (``(file, size)``: unlink them after commit), and
         whether the total fits.
     """
-    fixed = top_bytes(store) + sum(store.folder_sizes(conn).values())
+    fixed = store.top_bytes() + sum(store.folder_sizes(conn).values())
     if grown is not None:  # far from the budget, an upper bound of the index tells without counting pages
         bound = store.index_bound(conn, grown)
         if bound is not None and files + fixed + bound <= capacity:

@@ -118,6 +118,9 @@ class DataDir:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Shard folders this process made or removed, ever: ``data/`` itself can only have changed
+        # size through this process when this count changed (see DiskStore.top_bytes).
+        self.folder_changes = 0
 
     def _open_subdir(self, subdir: str, create: bool = False) -> int:
         """A descriptor of a shard folder (with ``create``, made if it does not exist, and ``data/``
@@ -145,6 +148,7 @@ class DataDir:
                     raise
             try:
                 os.mkdir(subdir, 0o755, dir_fd=data_fd)
+                self.folder_changes += 1
             except FileExistsError:  # made meanwhile by another writer
                 pass
             return os.open(subdir, _O_DIR, dir_fd=data_fd)
@@ -348,6 +352,7 @@ class DataDir:
             for subdir in wanted:
                 try:
                     os.rmdir(subdir, dir_fd=data_fd)
+                    self.folder_changes += 1
                 except OSError as error:
                     if error.errno not in _KEEP_FOLDER:
                         logger.warning("disk cache: could not remove the folder %s: %s", subdir, error)

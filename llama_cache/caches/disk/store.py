@@ -106,6 +106,8 @@ class DiskStore:
         # most a store's rows can add (budget.growth_bound), so that stores far from the budget need
         # no page count. Dropped by every write transaction but the stores' and by mark_stale.
         self._pages_bound: int | None = None
+        # The cache folder's and data/'s own bytes, and data.folder_changes when they were measured.
+        self._top: tuple[int, int] | None = None
         self.counters = Counters()
         # Per-process state (reset after fork): the connection and what it has replayed.
         self._pid = os.getpid()
@@ -182,6 +184,7 @@ class DiskStore:
         self._folders = None
         self._page_size = None
         self._pages_bound = None
+        self._top = None
 
     def added(self, entry: Entry, tokens: npt.NDArray[np.int32]) -> None:
         """Take into the view an entry this connection has just committed, with the only change-log row
@@ -212,6 +215,15 @@ class DiskStore:
             known.update(changed)
             for name in missing:
                 known.pop(name, None)
+
+    def top_bytes(self) -> int:
+        """The cache folder's and ``data/``'s own bytes (:func:`.budget.top_bytes`), measured again only
+        when this process made or removed a shard folder or another one committed since (two ``lstat``
+        calls then): other changes to those two folders' sizes are what the budget cannot see. Lock held."""
+        changes = self.data.folder_changes
+        if self._top is None or self._top[0] != changes:
+            self._top = (changes, budget.top_bytes(self))
+        return self._top[1]
 
     def page_size(self, conn: sqlite3.Connection) -> int:
         """The index's page size, read once per connection (and again after another one committed)."""
@@ -519,7 +531,7 @@ class DiskStore:
         with self.lock:
             try:
                 with self.transaction() as conn:
-                    self._folders = None
+                    self._folders = self._top = None
                     budget.replace_folders(conn, self.data.folder_sizes())
             except sqlite3.Error as error:
                 logger.warning("disk cache: could not measure the folders: %s", error)
