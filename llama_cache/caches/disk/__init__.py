@@ -37,7 +37,9 @@ newer version than this code reads is refused (:class:`CacheDirectoryError`).
 **Write protocol** (diskcache's, see STYLE.md): the payload (or head and new chunks) goes to new,
 uniquely named files first (``O_EXCL``; ``fsync`` optional); then the metadata is committed in one
 ``BEGIN IMMEDIATE`` transaction that also deletes the rows of replaced and evicted entries and of the
-chunks they alone used; their files are unlinked only after ``COMMIT``. Should another process free a
+chunks they alone used; their files are unlinked only after ``COMMIT``. A whole-state store that
+replaces and evicts nothing costs six statements at most (:mod:`.writes`), the process's view
+taking the new entry in memory. Should another process free a
 chunk a store counted on before it commits, the store plans and writes again. A crash at any
 instant therefore leaves either the old index or the new one, both naming complete files; at worst an uncommitted file is left behind: an orphan, which the next
 :class:`LlamaDiskCache` opened on the directory removes once it is older than

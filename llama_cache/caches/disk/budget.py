@@ -21,7 +21,10 @@ process reads them; a folder emptied by a removal is removed and its row dropped
 directory and ``check(fix=True)`` measure every folder again. New files go into at most
 :func:`shard_count` folders, about one per ``FILES_PER_FOLDER`` blocks of the budget, so folders take a
 small share of a small budget. Nothing here lists the directory on a store: a commit costs a
-``stat`` per folder it wrote into, two for the top folders and a few queries.
+``stat`` per folder it wrote into and one of the index, and (the store keeping the figures between
+commits while no other process commits: :class:`~.store.DiskStore`) writes a folder's row only when its
+size changed, measures the top folders only after a shard folder came or went, and, far from the
+budget, bounds the index's pages (:func:`growth_bound`) instead of counting them.
 
 What the budget cannot see: files written but not yet committed (a store in progress, another
 process's included, and the journal during a commit: the directory exceeds the budget by them until

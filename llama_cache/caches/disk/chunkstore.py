@@ -174,6 +174,7 @@ def absorb(conn: sqlite3.Connection, chunk: ChunkRow) -> set[bytes]:
 
 
 def link(conn: sqlite3.Connection, entry_id: int, ids: Sequence[bytes]) -> None:
+    """Link an entry to its chain's chunks, in order (one row each)."""
     conn.executemany("INSERT INTO links (entry_id, pos, chunk) VALUES (?, ?, ?)", ((entry_id, pos, ident) for pos, ident in enumerate(ids)))
 
 

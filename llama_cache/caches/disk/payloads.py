@@ -43,10 +43,10 @@ from llama_cache.state.format import encoded_size
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
 DATA_DIR = "data"
-SUFFIX = ".llst"
-FILE_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.llst")
+SUFFIX = ".llst"  # of every payload, chain head and chunk file
+FILE_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.llst")  # a valid payload name (rows naming anything else are malformed)
 _SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
-CODECS = ("raw", "zlib")
+CODECS = ("raw", "zlib")  # the codec column's values
 _DEFAULT_ZLIB_LEVEL = 6
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)

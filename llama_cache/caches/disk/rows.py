@@ -29,10 +29,10 @@ from llama_cache.state.format import KIND_LLAMA_CACHE, KIND_UPSTREAM
 
 # Bounds on what the index may claim (everything read from it is untrusted).
 MAX_NAMESPACE = 256  # characters of a namespace (fingerprints are 32)
-MAX_KEY_TOKENS = 1 << 24
+MAX_KEY_TOKENS = 1 << 24  # the longest key (and state) a row may hold
 STATE_BASE_BYTES = 256 << 20  # recurrent memory, a logits row, headers...
 STATE_BYTES_PER_TOKEN = 4 << 20  # KV per token of the largest models, or a scores row of a huge vocabulary
-MAX_STATE_BYTES = 64 << 30
+MAX_STATE_BYTES = 64 << 30  # no encoded state read back is believed larger (state_cap)
 _ZLIB_MAX_RATIO = 1032  # deflate cannot compress better than about 1032:1
 _MAX_MODEL_INFO = 16  # fields of a model description
 _MAX_MODEL_FIELD = 200  # characters of each
@@ -102,6 +102,7 @@ class BadRow(Exception):
 
 
 def is_int(value: object) -> bool:
+    """Whether ``value`` is an ``int`` and not a ``bool`` (what SQLite hands back for an integer column)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -193,6 +194,7 @@ def check_model_info(info: object) -> dict[str, str]:
 
 
 def check_fingerprint(fingerprint: object) -> None:
+    """Refuse a fingerprint argument that is not None or a short non-empty str (TypeError, ValueError)."""
     if fingerprint is None:
         return
     if not isinstance(fingerprint, str):
@@ -202,17 +204,21 @@ def check_fingerprint(fingerprint: object) -> None:
 
 
 def key_blob(tokens: npt.NDArray[np.int32]) -> bytes:
+    """A key as the index stores it: int32 little-endian."""
     return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
 
 
 def key_hash(blob: bytes) -> bytes:
+    """The ``key_hash`` column of a key's blob (BLAKE2b-128): what the uniqueness constraint compares."""
     return hashlib.blake2b(blob, digest_size=16).digest()
 
 
 def key_tokens(blob: bytes) -> npt.NDArray[np.int32]:
+    """The tokens of a key blob (a view of it; the caller checks the length and the values)."""
     return np.frombuffer(blob, dtype="<i4")
 
 
 def as_float(value: object) -> float:
+    """A timestamp column read back: the number when it is a finite one, else 0.0."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else 0.0
 
