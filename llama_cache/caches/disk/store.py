@@ -153,7 +153,8 @@ class DiskStore:
             logger.warning("disk cache: index unavailable (%s)", error)
 
     def sync(self, force: bool = False) -> None:
-        """Apply the changes other connections committed since the last sync. Lock held.
+        """Apply the changes other connections committed since the last sync (with ``force``, this
+        connection's too: after a write it did not take into the view itself). Lock held.
 
         Cheap when nothing changed: one ``PRAGMA data_version`` (which changes exactly when another
         connection commits; this connection's own writes keep the view in step themselves: see
@@ -164,7 +165,10 @@ class DiskStore:
         version = conn.execute("PRAGMA data_version").fetchone()[0]
         if version == self._data_version and not force:
             return
-        self.mark_stale()
+        if version != self._data_version:
+            self.mark_stale()  # another connection committed: every figure is read again
+        else:
+            self._data_version = -1  # only this connection wrote: its figures stay; the view replays
         if conn.in_transaction:
             self.view.replay(conn)
             self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
@@ -249,12 +253,13 @@ class DiskStore:
         return budget.index_bytes_of(self._pages_bound, self.page_size(conn), self.block, self.db_path)
 
     @contextmanager
-    def transaction(self, store: bool = False) -> Iterator[IndexConnection]:
+    def transaction(self, keeps_bound: bool = False) -> Iterator[IndexConnection]:
         """A write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``) on this process's connection. Lock held.
 
         Args:
-            store: the transaction of a store (:mod:`.writes`), which keeps the bound of the index's
-                pages (:meth:`index_bound`); any other drops it.
+            keeps_bound: the transaction keeps the bound of the index's pages up to date itself
+                (a store's, a touch's, a delete's: they end by counting or bounding the pages); any
+                other drops it.
 
         On failure (rolled back) the view and figures are marked for a replay (:meth:`mark_stale`).
 
@@ -262,7 +267,7 @@ class DiskStore:
             sqlite3.Error: the index is unavailable, or a statement failed.
         """
         conn = self.connection()
-        if not store:
+        if not keeps_bound:
             self._pages_bound = None
         try:
             with transaction(conn):
@@ -439,7 +444,7 @@ class DiskStore:
             Whether the entry was there to touch (False also when the index is unavailable).
         """
         try:
-            with self.transaction() as conn:
+            with self.transaction(keeps_bound=True) as conn:
                 before = budget.index_pages(conn)
                 cursor = conn.execute(
                     "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?",
@@ -470,7 +475,7 @@ class DiskStore:
         if not victims:
             return []
         try:
-            with self.transaction() as conn:
+            with self.transaction(keeps_bound=True) as conn:
                 before = budget.index_pages(conn)
                 deleted, linked = delete_rows(conn, victims)
                 freed = chunkstore.release(conn, linked)
@@ -490,7 +495,9 @@ class DiskStore:
 
         Costs one pragma when the index did not grow.
         """
-        if budget.index_pages(conn) <= before:
+        pages = budget.index_pages(conn)
+        if pages <= before:
+            self._pages_bound = pages  # exact: the transaction writes nothing after this
             return [], []
         self.sync(force=True)  # in the transaction: the view is the index as this transaction leaves it
         evicted, freed, _ = budget.evict_to_fit(self, conn, self.capacity, budget.files_bytes(self, conn), keep)

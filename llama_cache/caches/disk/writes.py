@@ -183,7 +183,7 @@ def _commit(
     freed: list[tuple[str, int]] = []
     with store.lock:
         try:
-            with store.transaction(store=True) as conn:
+            with store.transaction(keeps_bound=True) as conn:
                 store.sync()  # under the write lock: the local view equals the index
                 unlinked: set[bytes] = set()
                 if chain is not None:
