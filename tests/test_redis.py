@@ -429,7 +429,7 @@ def test_a_rediss_url_naming_several_nodes_speaks_tls_to_each() -> None:
 
 @pytest.mark.parametrize("loss", ["killed", "stopped"])
 def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: str) -> None:
-    from llama_cache.caches.redis_tier import _chunk_key, _meta_key
+    from llama_cache.caches.redis_keys import chunk_key, meta_key
 
     # Without full coverage required, the nodes left answer for their own slots.
     with RedisCluster(3, args=["--cluster-require-full-coverage", "no"]) as cluster:
@@ -437,8 +437,8 @@ def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: 
         state = make_cut_state(range(200), 200 * 100, logits=True)
         cache[range(200)] = state
         client = raw_client(cluster)
-        holders = [client.get_node_from_key(_chunk_key(piece.id)).port for piece in pieces("test", state.tokens, 8)]
-        metadata = client.get_node_from_key(_meta_key("test", "lru")).port
+        holders = [client.get_node_from_key(chunk_key(piece.id)).port for piece in pieces("test", state.tokens, 8)]
+        metadata = client.get_node_from_key(meta_key("test", "lru")).port
         victim = next(node for node in cluster.servers if node.port not in (metadata, holders[0]) and node.port in holders)
         assert victim.process is not None
         lost_from = holders.index(victim.port) * 8
@@ -461,7 +461,7 @@ def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: 
 def test_completions_go_on_when_a_cluster_node_is_lost() -> None:
     import llama_cache
     from llama_cache import Llama
-    from llama_cache.caches.redis_tier import _meta_key
+    from llama_cache.caches.redis_keys import meta_key
 
     with RedisCluster(3, args=["--cluster-require-full-coverage", "no"]) as cluster:
         cache = LlamaRedisCache(cluster.url, timeout=0.5, chunk_tokens=16)
@@ -469,7 +469,7 @@ def test_completions_go_on_when_a_cluster_node_is_lost() -> None:
         prompt = llm.tokenize(b"The history of the printing press begins in the fifteenth century. " * 12)
         first = llm.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
         assert cache.fingerprint is not None
-        metadata = raw_client(cluster).get_node_from_key(_meta_key(cache.fingerprint, "lru")).port
+        metadata = raw_client(cluster).get_node_from_key(meta_key(cache.fingerprint, "lru")).port
         next(node for node in cluster.servers if node.port != metadata).kill()
         for _ in range(2):
             llm.reset()

@@ -4,20 +4,11 @@ It stores transformer states as the content-addressed chunks of :mod:`llama_cach
 prefixes of any two states are the same chunks, so a system prompt used by a thousand conversations on
 ten machines is stored once.
 
-**Keys** (``ns`` is a 16-hex digest of the model fingerprint, so namespaces never mix)::
-
-    llc:c:<chunk id hex>               a chunk: its encoded bytes (checksummed, self-describing)
-    llc:{ns}:t:<prev id hex>           hash: chunk id hex -> tokens, of the chunks stored after ``prev``
-    llc:{ns}:e:<key digest hex>        hash: head (tokens, logits, seed, layout), chain (ids), size
-    llc:{ns}:lru                       sorted set of entry digests by last use
-    llc:{ns}:refs / llc:{ns}:info      hashes: chunk id -> links; chunk id -> "size:prev"
-    llc:{ns}:u:<chunk id hex>          set: the entries whose chain ends on this partial chunk
-    llc:{ns}:bytes, llc:{ns}:clock     unique bytes held; the LRU clock
-    llc:{ns}:meta                      hash: layout, chunk_tokens, seed of the namespace
-
-Chunk keys carry no hash tag, so in a Redis Cluster they spread over every node by id; the keys of a
-namespace's metadata share the tag ``{ns}`` and live on one node, where a Lua script updates them
-atomically.
+**Keys**: one per chunk, spread over a cluster's nodes by id, and the namespace's metadata on one node
+(:mod:`llama_cache.caches.redis_keys`), updated atomically by Lua scripts
+(:mod:`llama_cache.caches.redis_scripts`); chunk values travel through
+:mod:`llama_cache.caches.redis_transfer`, and :mod:`llama_cache.caches.redis_sweep` repairs what dying
+clients leave.
 
 **A lookup is two pipelined round trips**, whatever the number of entries: the first asks the metadata
 node for the children of every chunk on the query's path (the query's full-chunk ids are computed
@@ -61,7 +52,6 @@ put a disk tier beside it in a :class:`~llama_cache.caches.tiered.TieredCache` f
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -74,19 +64,19 @@ import numpy.typing as npt
 import redis
 import redis.cluster
 
+from llama_cache.caches import redis_keys
+from llama_cache.caches import redis_sweep, redis_transfer
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
 from llama_cache.caches.redis_client import connect, pipelined, redact_url, url_secrets
+from llama_cache.caches.redis_scripts import STORE_SCRIPT, TOUCH_SCRIPT
 from llama_cache.state.chunks import (
     ID_BYTES,
     Head,
-    Piece,
     assemble,
     chain_ids,
-    chunk_size,
     decode_chunk,
     decode_head,
     default_chunk_tokens,
-    encode_chunk,
     encode_head,
     layout_from_json,
     layout_to_json,
@@ -102,148 +92,7 @@ __all__ = ["LlamaRedisCache", "redact_url"]
 
 logger = logging.getLogger("llama_cache.caches.redis")
 
-_MAX_VALUE = 512 << 20  # Redis's own limit on a string value
 _MAX_TOKENS = 1 << 24
-_FRAME_SLACK = 64 << 10  # room for a chunk's prefix and header in the reused store buffer
-_RESP_ROOM = 128  # room for a SET command's RESP header before a chunk in that buffer
-_CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
-
-# Links a new entry to its chain, drops the entry it replaces, absorbs partial tails and evicts LRU
-# entries until the unique bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one
-# slot). ARGV: key prefix, entry member, head, capacity, chain length, chunk length, then per chunk: id
-# hex, size, prev hex, tokens. Returns 1 when the entry itself did not fit (it is then dropped), the ids
-# of the chunks freed and the number of entries evicted.
-#
-# A partial chunk (fewer tokens than the chunk length: always a chain's last) records the entries ending
-# on it in the set `u:<id>`. When a new chunk with the same predecessor extends its tokens (the next
-# turn of a conversation), it is *absorbed*: those entries' chains end on the new chunk instead (it holds
-# the same KV for those positions; a lookup uses the part it needs) and it is freed.
-_STORE_SCRIPT = """
-local entry, lru, refs, info, bytes, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local prefix, member, head = ARGV[1], ARGV[2], ARGV[3]
-local capacity, n, chunk_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local freed = {}
-local function release(id)
-  if redis.call('HINCRBY', refs, id, -1) <= 0 then
-    redis.call('HDEL', refs, id)
-    local meta = redis.call('HGET', info, id)
-    if meta then
-      local size, prev = string.match(meta, '^(%d+):(%x*)$')
-      prev = prev or ''
-      local tokens = redis.call('HGET', prefix .. 't:' .. prev, id)
-      if tokens then
-        for at = 4, #tokens, 4 do
-          local field = string.sub(tokens, 1, at)
-          if redis.call('HGET', prefix .. 'p:' .. prev, field) == id then
-            redis.call('HDEL', prefix .. 'p:' .. prev, field)
-          end
-        end
-      end
-      redis.call('HDEL', info, id)
-      redis.call('HDEL', prefix .. 't:' .. prev, id)
-      redis.call('DECRBY', bytes, tonumber(size or '0'))
-    end
-    freed[#freed + 1] = id
-  end
-end
-local function drop(m)
-  local key = prefix .. 'e:' .. m
-  local record = redis.call('HMGET', key, 'chain', 'size')
-  if record[1] then
-    local chain = record[1]
-    if #chain >= 32 then redis.call('SREM', prefix .. 'u:' .. string.sub(chain, -32), m) end
-    for at = 1, #chain, 32 do release(string.sub(chain, at, at + 31)) end
-    redis.call('DECRBY', bytes, tonumber(record[2] or '0'))
-  end
-  redis.call('DEL', key)
-  redis.call('ZREM', lru, m)
-end
-local ids, new = {}, {}
-for i = 0, n - 1 do
-  local id, size, prev, tokens = ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i], ARGV[10 + 4 * i]
-  if redis.call('HINCRBY', refs, id, 1) == 1 then
-    new[#new + 1] = {id, prev, tokens}
-    redis.call('HSET', info, id, size .. ':' .. prev)
-    redis.call('HSET', prefix .. 't:' .. prev, id, tokens)
-    -- Every prefix of its tokens names it (unless another chunk holding that prefix already does):
-    -- a lookup finds the child sharing most of its remaining tokens in one HMGET, whatever the
-    -- number of children.
-    for at = 4, #tokens, 4 do
-      redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id)
-    end
-    redis.call('INCRBY', bytes, tonumber(size))
-  end
-  ids[#ids + 1] = id
-end
-drop(member)
-redis.call('HSET', entry, 'head', head, 'chain', table.concat(ids), 'size', #head)
-redis.call('INCRBY', bytes, #head)
-redis.call('ZADD', lru, redis.call('INCR', clock), member)
-local function partial(id, prev)
-  local tokens = redis.call('HGET', prefix .. 't:' .. prev, id)
-  return tokens and #tokens < 4 * chunk_tokens
-end
-local last = ids[#ids]
-if last and partial(last, n > 1 and ids[n - 1] or '') then redis.call('SADD', prefix .. 'u:' .. last, member) end
-for _, chunk in ipairs(new) do
-  local id, prev, tokens = chunk[1], chunk[2], chunk[3]
-  local extends = partial(id, prev)
-  local absorbed = false
-  for at = 4, #tokens - 4, 4 do
-    local shorter = redis.call('HGET', prefix .. 'p:' .. prev, string.sub(tokens, 1, at))
-    if shorter and shorter ~= id and #(redis.call('HGET', prefix .. 't:' .. prev, shorter) or '') == at then
-      for _, m in ipairs(redis.call('SMEMBERS', prefix .. 'u:' .. shorter)) do
-        local key = prefix .. 'e:' .. m
-        local chain = redis.call('HGET', key, 'chain')
-        if chain and string.sub(chain, -32) == shorter then
-          redis.call('HSET', key, 'chain', string.sub(chain, 1, -33) .. id)
-          redis.call('HINCRBY', refs, id, 1)
-          if extends then redis.call('SADD', prefix .. 'u:' .. id, m) end
-          release(shorter)
-        end
-      end
-      redis.call('DEL', prefix .. 'u:' .. shorter)
-      absorbed = true
-    end
-  end
-  if absorbed then
-    for at = 4, #tokens, 4 do redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id) end
-  end
-end
--- An entry larger than the whole capacity evicts nothing: it is dropped at once.
-local own = #head
-for _, id in ipairs(ids) do
-  local size = string.match(redis.call('HGET', info, id) or '', '^(%d+):')
-  own = own + tonumber(size or '0')
-end
-if own > capacity then
-  drop(member)
-  return {1, freed, 0}
-end
-local evicted = 0
-while tonumber(redis.call('GET', bytes) or '0') > capacity do
-  local oldest = redis.call('ZRANGE', lru, 0, 0)[1]
-  if not oldest or oldest == member then break end
-  drop(oldest)
-  evicted = evicted + 1
-end
-local over = 0
-if tonumber(redis.call('GET', bytes) or '0') > capacity then
-  drop(member)
-  over = 1
-end
-return {over, freed, evicted}
-"""
-
-
-# Makes an entry the most recently used, if it still exists. KEYS: lru, clock. ARGV: entry member.
-_TOUCH_SCRIPT = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[2]), ARGV[1])
-end
-return 0
-"""
-
 
 class LlamaRedisCache(BaseLlamaCache):
     """A prompt cache in Redis, shared by every process and machine that reaches the server.
@@ -340,12 +189,12 @@ class LlamaRedisCache(BaseLlamaCache):
         if self._fingerprint is None:
             return 0
         fingerprint = self._fingerprint
-        return _as_count(self._call("size", lambda: self._client.get(_meta_key(fingerprint, "bytes"))))
+        return _as_count(self._call("size", lambda: self._client.get(redis_keys.meta_key(fingerprint, "bytes"))))
 
     def __len__(self) -> int:
         if self._fingerprint is None:
             return 0
-        count = self._call("len", lambda: self._client.zcard(_meta_key(self._fingerprint, "lru")))
+        count = self._call("len", lambda: self._client.zcard(redis_keys.meta_key(self._fingerprint, "lru")))
         return int(count) if isinstance(count, int) else 0
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
@@ -410,12 +259,12 @@ class LlamaRedisCache(BaseLlamaCache):
             TypeError, ValueError: a key is not a sequence of token ids.
         """
         fingerprint = namespace or self._fingerprint
-        members = [_digest(as_token_array(key)).hex() for key in keys]
+        members = [redis_keys.digest(as_token_array(key)).hex() for key in keys]
         if fingerprint is None or not members:
             return
-        lru, clock = _meta_key(fingerprint, "lru"), _meta_key(fingerprint, "clock")
+        lru, clock = redis_keys.meta_key(fingerprint, "lru"), redis_keys.meta_key(fingerprint, "clock")
         self._call("touch", lambda: pipelined(self._client, [
-            (lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
+            (lru, ("EVAL", TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
         ]))
 
     def stats(self) -> CacheStats:
@@ -425,8 +274,8 @@ class LlamaRedisCache(BaseLlamaCache):
         if fingerprint is not None:
             def run() -> list[Any]:
                 pipe = self._client.pipeline(transaction=False)
-                pipe.zcard(_meta_key(fingerprint, "lru"))
-                pipe.get(_meta_key(fingerprint, "bytes"))
+                pipe.zcard(redis_keys.meta_key(fingerprint, "lru"))
+                pipe.get(redis_keys.meta_key(fingerprint, "bytes"))
                 return pipe.execute()
 
             reply = self._call("stats", run)
@@ -443,17 +292,17 @@ class LlamaRedisCache(BaseLlamaCache):
         """Remove every entry and chunk of the bound namespace (others are untouched)."""
         if self._fingerprint is None:
             return
-        ns = _ns(self._fingerprint)
+        ns = redis_keys.ns(self._fingerprint)
         pattern = f"llc:{{{ns}}}:*"
 
         def run() -> None:
-            chunks = [key for key, _ in self._client.hscan_iter(_meta_key(self._fingerprint, "refs"))]
+            chunks = [key for key, _ in self._client.hscan_iter(redis_keys.meta_key(self._fingerprint, "refs"))]
             keys = list(self._client.scan_iter(match=pattern, count=1000))
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.delete(key)
             for ident in chunks:
-                pipe.delete(b"llc:c:" + ident)
+                pipe.delete(redis_keys.CHUNK_KEY_PREFIX + ident)
             pipe.execute()
 
         self._call("clear", run)
@@ -485,13 +334,13 @@ class LlamaRedisCache(BaseLlamaCache):
         ids = chain_ids(fingerprint, query, size) if size else []
         blob = np.ascontiguousarray(query, dtype="<i4").tobytes()
 
-        meta, entry = _meta_key(fingerprint, "meta"), _entry_key(fingerprint, query)
+        meta, entry = redis_keys.meta_key(fingerprint, "meta"), redis_keys.entry_key(fingerprint, query)
         commands: list[tuple[Any, tuple[Any, ...]]] = [
             (meta, ("HMGET", meta, "layout", "chunk_tokens", "seed")), (entry, ("HMGET", entry, "head", "chain")),
         ]
         prev = b""
         for k, ident in enumerate(ids):
-            field = _prefixes_key(fingerprint, prev)
+            field = redis_keys.prefixes_key(fingerprint, prev)
             commands.append((field, ("HGET", field, blob[4 * k * size : 4 * (k + 1) * size])))
             prev = ident
         commands += _ask_children(fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
@@ -523,14 +372,14 @@ class LlamaRedisCache(BaseLlamaCache):
         plan = self._find(query, fingerprint)
         if plan is None or plan.length == 0:
             return None
-        keys = [_chunk_key(ident) for ident, _, _ in plan.chunks]
+        keys = [redis_keys.chunk_key(ident) for ident, _, _ in plan.chunks]
 
         commands: list[tuple[Any, tuple[Any, ...]]] = [(key, ("GET", key)) for key in keys]
         if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
-            lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
+            lru, clock = (redis_keys.meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
             # A plain EVAL: redis-py refuses EVALSHA (a registered script) and its own eval() in a
             # cluster's pipelines, and a refused call here made every exact hit a miss.
-            commands.append((lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, _digest(query).hex())))
+            commands.append((lru, ("EVAL", TOUCH_SCRIPT, 2, lru, clock, redis_keys.digest(query).hex())))
 
         replies = self._call("fetch", lambda: pipelined(self._client, commands, strict=False))
         if replies is None:
@@ -606,7 +455,7 @@ class LlamaRedisCache(BaseLlamaCache):
         known = self._layouts.get(fingerprint)
         if known is None and self.chunk_tokens is None:
             # Chains must be cut as the namespace's are: read its record once (one round trip).
-            record = self._call("store", lambda: self._client.hmget(_meta_key(fingerprint, "meta"),
+            record = self._call("store", lambda: self._client.hmget(redis_keys.meta_key(fingerprint, "meta"),
                                                                     ["layout", "chunk_tokens", "seed"]), store=True)
             if record is None:
                 return  # Redis is unreachable: the store is skipped (counted once)
@@ -623,13 +472,13 @@ class LlamaRedisCache(BaseLlamaCache):
 
         layout_json = json.dumps(layout_to_json(layout), sort_keys=True)
 
-        meta, prefixes = _meta_key(fingerprint, "meta"), _prefixes_key(fingerprint, chain[-1].prev)
+        meta, prefixes = redis_keys.meta_key(fingerprint, "meta"), redis_keys.prefixes_key(fingerprint, chain[-1].prev)
         asked: list[tuple[Any, tuple[Any, ...]]] = [
             (meta, ("HSETNX", meta, "layout", layout_json)),
             (meta, ("HSETNX", meta, "chunk_tokens", chunk_tokens)),
             (meta, ("HSETNX", meta, "seed", int(state.seed))),
             # The values themselves: Redis may have evicted one that is still linked.
-            *((key, ("EXISTS", key)) for key in map(_chunk_key, (piece.id for piece in chain))),
+            *((key, ("EXISTS", key)) for key in map(redis_keys.chunk_key, (piece.id for piece in chain))),
             (prefixes, ("HGET", prefixes, chain[-1].tokens.astype("<i4").tobytes())),
             (meta, ("HMGET", meta, "layout", "chunk_tokens")),
         ]
@@ -660,8 +509,8 @@ class LlamaRedisCache(BaseLlamaCache):
         by_id = {piece.id: piece for piece in chain}
 
         def write() -> Any:
-            sizes = _set_chunks(self._client, fingerprint, layout, state.segments, new) if new else {}
-            args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids),
+            sizes = redis_transfer.set_chunks(self._client, fingerprint, layout, state.segments, new) if new else {}
+            args: list[Any] = [redis_keys.prefix(fingerprint), redis_keys.digest(tokens).hex(), head, self.capacity_bytes, len(ids),
                                chunk_tokens]
             for ident in ids:
                 piece = by_id.get(ident)
@@ -669,9 +518,9 @@ class LlamaRedisCache(BaseLlamaCache):
                     args += [ident.hex(), sizes.get(ident, 0), piece.prev.hex(), piece.tokens.astype("<i4").tobytes()]
                 else:  # an existing longer chunk: already registered, its size already counted
                     args += [ident.hex(), 0, last.prev.hex(), b""]
-            keys = [_entry_key(fingerprint, tokens), *(_meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
+            keys = [redis_keys.entry_key(fingerprint, tokens), *(redis_keys.meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
             if self._script is None:
-                self._script = self._client.register_script(_STORE_SCRIPT)
+                self._script = self._client.register_script(STORE_SCRIPT)
             return self._script(keys=keys, args=args)
 
         result = self._call("store", write, store=True, trips=2 if new else 1)
@@ -679,7 +528,7 @@ class LlamaRedisCache(BaseLlamaCache):
             return
         over, freed, evicted = result
         if freed:
-            self._call("store", lambda: self._client.delete(*[b"llc:c:" + ident for ident in freed]), store=True)
+            self._call("store", lambda: self._client.delete(*[redis_keys.CHUNK_KEY_PREFIX + ident for ident in freed]), store=True)
         with self._lock:
             self._evictions += int(evicted)
             if int(over):
@@ -704,7 +553,7 @@ class LlamaRedisCache(BaseLlamaCache):
         fingerprint = self._fingerprint
         if fingerprint is None:
             return 0
-        result = self._call("sweep", lambda: _sweep(self._client, fingerprint, grace_seconds))
+        result = self._call("sweep", lambda: redis_sweep.sweep(self._client, fingerprint, grace_seconds))
         if result:
             logger.info("redis cache: sweep removed %d keys", result)
         return int(result or 0)
@@ -780,7 +629,7 @@ def _ask_children(fingerprint: str, prev: bytes, rest: bytes, size: int | None) 
     while the chunk length is unknown), as :func:`_pipelined` takes it."""
     if not size:
         return []
-    head, key = rest[: 4 * size], _prefixes_key(fingerprint, prev)
+    head, key = rest[: 4 * size], redis_keys.prefixes_key(fingerprint, prev)
     return [(key, ("HMGET", key, *([head[: 4 * n] for n in range(1, len(head) // 4 + 1)] or [b""])))]
 
 
@@ -819,110 +668,6 @@ def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], chil
     return _Plan(fingerprint, chunks, position, layout, chunk_tokens, head.seed if head is not None else seed, head)
 
 
-def _set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Sequence[KVSegment],
-                new: Sequence[Piece]) -> dict[bytes, int]:
-    """``SET`` the chunks ``new`` (their encoded size by id), in one round trip per node.
-
-    Each chunk is encoded into one buffer reused for the next, framed there as a RESP ``SET`` command
-    and written to its node's socket at once, in one write (redis-py's own packing copies every value
-    into a new bytes object first, and the chunks of a whole state would all be held at once); the
-    replies are read after the last. Memory: one chunk, whatever the state's size.
-
-    Raises:
-        redis.RedisError, redis.exceptions.RedisClusterException, OSError: a node failed (its
-            connection is dropped: replies may be left unread).
-    """
-    frame = np.empty(_RESP_ROOM + chunk_size(layout, max(piece.n_tokens for piece in new)) + _FRAME_SLACK, dtype=np.uint8)
-    sizes: dict[bytes, int] = {}
-    sent: dict[int, tuple[Any, Any, list[int]]] = {}  # pool id -> (pool, connection, [commands sent])
-    try:
-        for piece in new:
-            key = _chunk_key(piece.id)
-            pool = (client.get_redis_connection(client.get_node_from_key(key)) if isinstance(client, redis.cluster.RedisCluster)
-                    else client).connection_pool
-            if id(pool) not in sent:
-                sent[id(pool)] = (pool, pool.get_connection(), [0])
-            _, connection, count = sent[id(pool)]
-            # The value is encoded after room for the command's RESP header, which is then written
-            # right before it, and the closing CRLF after it: one buffer, one write per chunk.
-            size = encode_chunk(fingerprint, piece, layout, segments, into=frame[_RESP_ROOM:-2])[0].nbytes
-            command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size)
-            start, end = _RESP_ROOM - len(command), _RESP_ROOM + size
-            frame[start:_RESP_ROOM] = np.frombuffer(command, dtype=np.uint8)
-            frame[end : end + 2] = _CRLF
-            connection.send_packed_command([memoryview(frame)[start : end + 2]], check_health=False)
-            count[0] += 1
-            sizes[piece.id] = size
-        for _, connection, count in sent.values():
-            for _ in range(count[0]):
-                connection.read_response()
-    except BaseException:
-        for _, connection, _ in sent.values():
-            connection.disconnect()
-        raise
-    finally:
-        for pool, connection, _ in sent.values():
-            pool.release(connection)
-    return sizes
-
-
-def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
-    """The work of :meth:`LlamaRedisCache.sweep`; raises redis-py's errors."""
-    prefix = _prefix(fingerprint)
-    removed = 0
-    members = client.zrange(prefix + "lru", 0, -1)
-    linked: dict[bytes, int] = {}
-    total = 0
-    for member in members:
-        key = prefix + "e:" + member.decode()
-        chain, size = client.hmget(key, ["chain", "size"])
-        ids = [chain[at : at + 32] for at in range(0, len(chain), 32)] if isinstance(chain, bytes) else []
-        pipe = client.pipeline(transaction=False)
-        for ident in ids:
-            pipe.exists(b"llc:c:" + ident)
-        present = pipe.execute() if ids else []
-        if not ids or not all(present) or not isinstance(size, bytes) or not size.isdigit():
-            client.delete(key)
-            client.zrem(prefix + "lru", member)
-            removed += 1
-            continue
-        for ident in ids:
-            linked[ident] = linked.get(ident, 0) + 1
-        total += int(size)
-    info = client.hgetall(prefix + "info")
-    sizes: dict[bytes, int] = {}
-    for ident, meta in info.items():
-        size, _, prev = meta.partition(b":")
-        if ident not in linked:
-            parent = prev.decode(errors="replace")
-            tokens = client.hget(prefix + "t:" + parent, ident) or b""
-            for at in range(4, len(tokens) + 1, 4):
-                if client.hget(prefix + "p:" + parent, tokens[:at]) == ident:
-                    client.hdel(prefix + "p:" + parent, tokens[:at])
-            client.hdel(prefix + "info", ident)
-            client.hdel(prefix + "t:" + parent, ident)
-            client.delete(prefix + "u:" + ident.decode(errors="replace"))
-            removed += client.delete(b"llc:c:" + ident)
-        elif size.isdigit():
-            sizes[ident] = int(size)
-    client.delete(prefix + "refs")
-    if linked:
-        client.hset(prefix + "refs", mapping={ident: count for ident, count in linked.items()})
-    client.set(prefix + "bytes", total + sum(sizes.values()))
-    # Chunk keys of this namespace that no registration names (a client died before its script ran).
-    for key in client.scan_iter(match=b"llc:c:*", count=1000):
-        ident = key[len(b"llc:c:") :]
-        if ident in linked:
-            continue
-        header = client.getrange(key, 0, 4095)
-        if f'"namespace": {json.dumps(fingerprint)}'.encode() not in header:
-            continue
-        idle = client.object("idletime", key)
-        if isinstance(idle, int) and idle >= grace_seconds:
-            removed += client.delete(key)
-    return removed
-
-
 @functools.lru_cache(maxsize=64)
 def _parse_layout(text: bytes) -> KVLayout:
     """A namespace record's layout, parsed and validated once per distinct text."""
@@ -935,35 +680,3 @@ def _as_count(value: Any) -> int:
         return max(0, int(value))
     except (TypeError, ValueError):
         return 0
-
-
-def _ns(fingerprint: str) -> str:
-    return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
-
-
-def _prefix(fingerprint: str) -> str:
-    return f"llc:{{{_ns(fingerprint)}}}:"
-
-
-def _meta_key(fingerprint: str, name: str) -> str:
-    return _prefix(fingerprint) + name
-
-
-def _chunk_key(ident: bytes) -> bytes:
-    return b"llc:c:" + ident.hex().encode()
-
-
-def _prefixes_key(fingerprint: str, prev: bytes) -> str:
-    return _prefix(fingerprint) + "p:" + prev.hex()
-
-
-def _children_key(fingerprint: str, prev: bytes) -> str:
-    return _prefix(fingerprint) + "t:" + prev.hex()
-
-
-def _digest(tokens: npt.NDArray[np.int32]) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=16).digest()
-
-
-def _entry_key(fingerprint: str, tokens: npt.NDArray[np.int32]) -> str:
-    return _prefix(fingerprint) + "e:" + _digest(tokens).hex()
