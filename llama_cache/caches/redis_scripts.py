@@ -12,7 +12,8 @@ __all__ = ["STORE_SCRIPT", "TOUCH_SCRIPT"]
 # entries until the unique bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one
 # slot). ARGV: key prefix, entry member, head, capacity, chain length, chunk length, then per chunk: id
 # hex, size, prev hex, tokens. Returns 1 when the entry itself did not fit (it is then dropped), the ids
-# of the chunks freed and the number of entries evicted.
+# of the chunks freed and the number of entries evicted. It deletes the in-flight markers of the chain's
+# chunks (`w:<prev>`, see LlamaRedisCache.announce).
 #
 # A partial chunk (fewer tokens than the chunk length: always a chain's last) records the entries ending
 # on it in the set `u:<id>`. When a new chunk with the same predecessor extends its tokens (the next
@@ -23,6 +24,8 @@ local entry, lru, refs, info, bytes, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4],
 local prefix, member, head = ARGV[1], ARGV[2], ARGV[3]
 local capacity, n, chunk_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local freed = {}
+-- The store has landed: lookups waiting for it (in-flight markers, set by announce) may go on.
+for i = 0, n - 1 do redis.call('DEL', prefix .. 'w:' .. ARGV[9 + 4 * i]) end
 local function release(id)
   if redis.call('HINCRBY', refs, id, -1) <= 0 then
     redis.call('HDEL', refs, id)

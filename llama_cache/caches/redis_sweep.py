@@ -7,10 +7,10 @@ redis-py's errors (the cache counts and logs them).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from llama_cache.caches import redis_keys
+from llama_cache.caches.redis_frames import HEADER_SIZE, frame_namespace, namespace_tag
 
 __all__ = ["sweep"]
 
@@ -63,8 +63,7 @@ def sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
         ident = key[len(redis_keys.CHUNK_KEY_PREFIX) :]
         if ident in linked:
             continue
-        header = client.getrange(key, 0, 4095)
-        if f'"namespace": {json.dumps(fingerprint)}'.encode() not in header:
+        if frame_namespace(client.getrange(key, 0, HEADER_SIZE - 1)) != namespace_tag(fingerprint):
             continue
         idle = client.object("idletime", key)
         if isinstance(idle, int) and idle >= grace_seconds:

@@ -55,6 +55,7 @@ import functools
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,13 +69,13 @@ from llama_cache.caches import redis_keys
 from llama_cache.caches import redis_sweep, redis_transfer
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
 from llama_cache.caches.redis_client import connect, pipelined, redact_url, url_secrets
+from llama_cache.caches.redis_frames import decode_frame, frame_size
 from llama_cache.caches.redis_scripts import STORE_SCRIPT, TOUCH_SCRIPT
 from llama_cache.state.chunks import (
     ID_BYTES,
     Head,
     assemble,
     chain_ids,
-    decode_chunk,
     decode_head,
     default_chunk_tokens,
     encode_head,
@@ -93,6 +94,7 @@ __all__ = ["LlamaRedisCache", "redact_url"]
 logger = logging.getLogger("llama_cache.caches.redis")
 
 _MAX_TOKENS = 1 << 24
+_POLL_SECONDS = 0.005  # how often a lookup waiting for an announced store asks again
 
 class LlamaRedisCache(BaseLlamaCache):
     """A prompt cache in Redis, shared by every process and machine that reaches the server.
@@ -120,6 +122,8 @@ class LlamaRedisCache(BaseLlamaCache):
         cluster: use redis-py's cluster client (also chosen by a URL naming several nodes).
         verify: check each chunk's checksum when read (default).
         client: an existing ``redis.Redis`` or ``redis.cluster.RedisCluster`` to use instead of ``url``.
+        in_flight_seconds: how long an announced store's markers live, and so the longest a lookup
+            waits for one (:meth:`announce`; 0: lookups never wait).
 
     Raises:
         TypeError, ValueError: a bad argument (nothing is contacted before the first call).
@@ -136,8 +140,12 @@ class LlamaRedisCache(BaseLlamaCache):
         cluster: bool = False,
         verify: bool = True,
         client: Any = None,
+        in_flight_seconds: float = 2.0,
     ) -> None:
         super().__init__(capacity_bytes)
+        if (isinstance(in_flight_seconds, bool) or not isinstance(in_flight_seconds, (int, float))
+                or not math.isfinite(in_flight_seconds) or in_flight_seconds < 0):
+            raise ValueError(f"in_flight_seconds must be a finite number >= 0, got {in_flight_seconds!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be a finite positive number of seconds, got {timeout!r}")
         if chunk_tokens is not None and (
@@ -153,6 +161,7 @@ class LlamaRedisCache(BaseLlamaCache):
         self.timeout = float(timeout)
         self.chunk_tokens = chunk_tokens
         self.verify = bool(verify)
+        self.in_flight_seconds = float(in_flight_seconds)
         self._fingerprint = fingerprint
         self._cluster = bool(cluster)
         self._connected: Any = client  # built on first use: a cluster client contacts its nodes at once
@@ -161,6 +170,8 @@ class LlamaRedisCache(BaseLlamaCache):
         self._writes = self._store_errors = self._round_trips = 0
         self.errors = 0
         """Calls that failed (Redis unreachable, slow, refusing, out of memory, damaged values)."""
+        self.waits = 0
+        """Lookups that waited for an announced store (:meth:`announce`)."""
         self._failing: str | None = None  # the kind of failure logged for the current outage
         self._node_lost = False  # a cluster node failed the last fetch while others answered
         self._unstorable_logged = False
@@ -267,6 +278,44 @@ class LlamaRedisCache(BaseLlamaCache):
             (lru, ("EVAL", TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
         ]))
 
+    def announce(self, key: Sequence[int], *, namespace: str | None = None) -> None:
+        """Say that the state of ``key`` (in ``namespace``, else the bound one) is about to be stored.
+
+        Sets one short-lived marker per chunk of ``key`` (the chunk's tokens under its predecessor's
+        id, living ``in_flight_seconds``), in one round trip. Until the store lands (its script
+        deletes them) or they expire, a lookup or ``match_length`` in any process that would find a
+        longer prefix once it lands waits for it, polling, for at most ``in_flight_seconds``: a
+        writer may answer its caller first and store afterwards (write-behind,
+        :class:`~llama_cache.caches.tiered.TieredCache` with ``write_through``) while the next request
+        on another instance still finds the state. A marker whose writer died expires and the lookup
+        proceeds without it. Two writers announcing different chunks after the same one at once keep
+        the last marker (the other's readers do not wait: a shorter hit). A namespace this process
+        has neither looked up nor stored in costs one more round trip (its chunk length).
+        Never raises for Redis failures (counted in ``errors``).
+
+        Raises:
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        tokens = as_token_array(key)
+        fingerprint = namespace or self._fingerprint
+        if fingerprint is None or not len(tokens) or len(tokens) > _MAX_TOKENS or self.in_flight_seconds <= 0:
+            return
+        known = self._layouts.get(fingerprint)
+        if known is None and self.chunk_tokens is None:
+            record = self._call("announce", lambda: self._client.hmget(redis_keys.meta_key(fingerprint, "meta"),
+                                                                       ["layout", "chunk_tokens", "seed"]))
+            known = self._namespace_info(record) if record is not None else None
+            if known is None:
+                return  # no namespace yet (or unreachable): nothing another process could find
+            self._layouts[fingerprint] = known
+        chunk_tokens = self.chunk_tokens or (known[1] if known is not None else 0)
+        lifetime = max(1, round(1000 * self.in_flight_seconds))
+        commands: list[tuple[Any, tuple[Any, ...]]] = []
+        for piece in pieces(fingerprint, tokens, chunk_tokens):
+            marker = redis_keys.marker_key(fingerprint, piece.prev)
+            commands.append((marker, ("SET", marker, piece.tokens.astype("<i4").tobytes(), "PX", lifetime)))
+        self._call("announce", lambda: pipelined(self._client, commands))
+
     def stats(self) -> CacheStats:
         """This instance's counters; the namespace's entries and bytes (one round trip, counted)."""
         entries = size = 0
@@ -319,16 +368,37 @@ class LlamaRedisCache(BaseLlamaCache):
     # -------------------------------------------------------------------------------- lookups
 
     def _find(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> _Plan | None:
-        """The longest prefix of ``query`` the namespace's metadata knows chunks for.
+        """The longest prefix of ``query`` the namespace's metadata knows chunks for, once no announced
+        store that would make it longer is in flight (or after ``in_flight_seconds`` of waiting)."""
+        deadline = None
+        while True:
+            plan, in_flight = self._find_once(query, fingerprint)
+            if not in_flight or self.in_flight_seconds <= 0:
+                return plan
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.in_flight_seconds
+                with self._lock:
+                    self.waits += 1
+            elif now >= deadline:
+                logger.info("redis cache: an announced store did not land within %.1f s; answering without it",
+                            self.in_flight_seconds)
+                return plan
+            time.sleep(min(_POLL_SECONDS, max(0.0, deadline - now)))
+
+    def _find_once(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> tuple[_Plan | None, bool]:
+        """The longest prefix of ``query`` the namespace's metadata knows chunks for, and whether an
+        announced store of a longer one is in flight.
 
         One round trip asks, for each of the query's full chunks, whether its id is stored (one field
         of its predecessor's prefix index), and which child of the last one shares most of the
         query's remaining tokens (one field per remaining token); a second is needed only when the
         chain breaks earlier, to ask the same of the chunk where it breaks. The cost of each is the
-        query's length, whatever the number of entries or of children.
+        query's length, whatever the number of entries or of children. The first also reads the
+        in-flight markers (:meth:`announce`) of every chunk on the query's path, in one ``MGET``.
         """
         if fingerprint is None or not len(query):
-            return None
+            return None, False
         known = self._layouts.get(fingerprint)
         size = self.chunk_tokens or (known[1] if known is not None else None)
         ids = chain_ids(fingerprint, query, size) if size else []
@@ -344,19 +414,22 @@ class LlamaRedisCache(BaseLlamaCache):
             commands.append((field, ("HGET", field, blob[4 * k * size : 4 * (k + 1) * size])))
             prev = ident
         commands += _ask_children(fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
+        markers = [redis_keys.marker_key(fingerprint, prev) for prev in [b"", *ids]]
+        commands.append((markers[0], ("MGET", *markers)))
         reply = self._call("lookup", lambda: pipelined(self._client, commands))
         if reply is None:
-            return None
+            return None, False
         meta, exact, *found = reply
+        in_flight = found.pop()
         info = self._namespace_info(meta)
         if info is None:
-            return None
+            return None, False
         self._layouts[fingerprint] = info
         layout, chunk_tokens, seed = info
         if size != chunk_tokens:
             # The first lookup of this process (the chain length was unknown), or the namespace was
             # recreated meanwhile (Redis restarted): once more with the recorded length.
-            return self._find(query, fingerprint) if size is None or self.chunk_tokens is None else None
+            return self._find_once(query, fingerprint) if size is None or self.chunk_tokens is None else (None, False)
         present = found[: len(ids)]
         unbroken = next((k for k, ident in enumerate(ids) if present[k] != ident.hex().encode()), len(ids))
         if unbroken == len(ids):
@@ -366,7 +439,9 @@ class LlamaRedisCache(BaseLlamaCache):
             rest = blob[4 * unbroken * chunk_tokens :]
             asked = _ask_children(fingerprint, prev, rest, chunk_tokens)
             children = self._call("lookup", lambda: pipelined(self._client, asked)[0])
-        return _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
+        plan = _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
+        marker = in_flight[unbroken] if isinstance(in_flight, list) and len(in_flight) > unbroken else None
+        return plan, _extends(marker, query, unbroken * chunk_tokens, plan.length, chunk_tokens)
 
     def _lookup(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> LlamaState | None:
         plan = self._find(query, fingerprint)
@@ -381,7 +456,8 @@ class LlamaRedisCache(BaseLlamaCache):
             # cluster's pipelines, and a refused call here made every exact hit a miss.
             commands.append((lru, ("EVAL", TOUCH_SCRIPT, 2, lru, clock, redis_keys.digest(query).hex())))
 
-        replies = self._call("fetch", lambda: pipelined(self._client, commands, strict=False))
+        bound = frame_size(plan.layout, plan.chunk_tokens)
+        replies = self._call("fetch", lambda: redis_transfer.fetch(self._client, commands, bound))
         if replies is None:
             return None
         values = replies[: len(keys)]
@@ -389,11 +465,11 @@ class LlamaRedisCache(BaseLlamaCache):
         segments: list[KVSegment] = []
         covered = 0
         for (ident, prev, start), value in zip(plan.chunks, values):
-            if not isinstance(value, bytes):
+            if not isinstance(value, (bytes, memoryview)):
                 logger.info("redis cache: chunk %s is gone (evicted); a shorter hit", ident.hex())
                 break
             try:
-                tokens, segment = decode_chunk(value, namespace=plan.fingerprint, ident=ident, prev=prev, start=start,
+                tokens, segment = decode_frame(value, namespace=plan.fingerprint, ident=ident, prev=prev, start=start,
                                                layout=plan.layout, verify=self.verify)
             except CorruptStateError as error:
                 self._note_damage(ident, str(error))
@@ -480,13 +556,17 @@ class LlamaRedisCache(BaseLlamaCache):
             # The values themselves: Redis may have evicted one that is still linked.
             *((key, ("EXISTS", key)) for key in map(redis_keys.chunk_key, (piece.id for piece in chain))),
             (prefixes, ("HGET", prefixes, chain[-1].tokens.astype("<i4").tobytes())),
-            (meta, ("HMGET", meta, "layout", "chunk_tokens")),
+            (meta, ("HMGET", meta, "layout", "chunk_tokens", "seed")),
         ]
         reply = self._call("store", lambda: pipelined(self._client, asked), store=True)
         if reply is None:
             return
         recorded = reply.pop()
-        if recorded != [layout_json.encode(), str(chunk_tokens).encode()]:
+        if known is None and isinstance(recorded, list):
+            info = self._namespace_info(recorded)  # the record this store made, or found
+            if info is not None:
+                self._layouts[fingerprint] = info
+        if not isinstance(recorded, list) or recorded[:2] != [layout_json.encode(), str(chunk_tokens).encode()]:
             # One fingerprint has one KV layout; chunks of another length would never be found.
             with self._lock:
                 self._store_errors += 1
@@ -672,6 +752,18 @@ def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], chil
 def _parse_layout(text: bytes) -> KVLayout:
     """A namespace record's layout, parsed and validated once per distinct text."""
     return layout_from_json(json.loads(text))
+
+
+def _extends(marker: Any, query: npt.NDArray[np.int32], start: int, length: int, chunk_tokens: int) -> bool:
+    """Whether an in-flight marker (the tokens of a chunk being stored at ``start``; untrusted) shares
+    more of ``query`` than the ``length`` tokens already found."""
+    if not isinstance(marker, bytes) or not 0 < len(marker) <= 4 * chunk_tokens or len(marker) % 4:
+        return False
+    announced = np.frombuffer(marker, dtype="<i4")
+    ours = query[start : start + len(announced)]
+    differ = np.flatnonzero(announced[: len(ours)] != ours)
+    shared = int(differ[0]) if len(differ) else len(ours)
+    return start + shared > length
 
 
 def _as_count(value: Any) -> int:
