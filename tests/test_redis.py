@@ -658,11 +658,45 @@ def test_an_announce_without_redis_is_a_counted_failure() -> None:
 def _wait_until(condition: Any) -> None:
     import time
 
-    while not condition():
+    for _ in range(30_000):  # (a bound for a broken build, not a timing assertion)
+        if condition():
+            return
         time.sleep(0.002)
+    raise AssertionError("the condition never held")
 
 
 def _ns(fingerprint: str) -> str:
     from llama_cache.caches.redis_keys import ns
 
     return ns(fingerprint)
+
+
+def test_a_write_through_store_in_flight_is_found_by_another_instance(fresh: Deployment) -> None:
+    from llama_cache import LlamaRAMCache, TieredCache
+
+    gate = threading.Event()
+
+    class Held(LlamaRedisCache):
+        """A Redis tier whose stores wait for the test (a slow network)."""
+
+        def __setitem__(self, key: Sequence[int], value: Any) -> None:
+            gate.wait(60)
+            super().__setitem__(key, value)
+
+    shared = Held(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    tiered = TieredCache([LlamaRAMCache(capacity_bytes=10**8), shared], write_through=True)
+    other = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    state = make_cut_state(range(40), 40 * 100)
+    try:
+        tiered[range(40)] = state  # returns at once: announced, stored behind
+        found: list[LlamaState] = []
+        lookup = threading.Thread(target=lambda: found.append(other[[*range(40), 7]]))
+        lookup.start()
+        _wait_until(lambda: other.waits == 1)  # the other instance waits for the store...
+        gate.set()  # ...which lands now
+        lookup.join()
+        assert found[0].n_tokens == 40
+        assert np.array_equal(found[0].seq_bytes(), state.seq_bytes())
+    finally:
+        gate.set()
+        tiered.close()

@@ -94,6 +94,7 @@ __all__ = ["LlamaRedisCache", "redact_url"]
 logger = logging.getLogger("llama_cache.caches.redis")
 
 _MAX_TOKENS = 1 << 24
+_LONGEST_CHUNK = 4096  # tokens: the bound on chunk_tokens
 _POLL_SECONDS = 0.005  # how often a lookup waiting for an announced store asks again
 
 class LlamaRedisCache(BaseLlamaCache):
@@ -422,8 +423,9 @@ class LlamaRedisCache(BaseLlamaCache):
         meta, exact, *found = reply
         in_flight = found.pop()
         info = self._namespace_info(meta)
-        if info is None:
-            return None, False
+        if info is None:  # no namespace yet, though its first store may be in flight
+            first = in_flight[0] if isinstance(in_flight, list) and in_flight else None
+            return None, _extends(first, query, 0, 0, size or _LONGEST_CHUNK)
         self._layouts[fingerprint] = info
         layout, chunk_tokens, seed = info
         if size != chunk_tokens:
