@@ -5,7 +5,9 @@ client made from one, and pipelines that keep going when one cluster node is los
 cluster client whose every node gets the URL's credentials, scheme and options. :func:`pipelined` runs
 single-key commands in one round trip per node: on a cluster each node is sent its own commands, so a
 lost node fails only its own (within one socket timeout) instead of the whole call.
-:func:`redact_url` and :func:`url_secrets` keep passwords out of log lines and ``repr``.
+:func:`redact_url` and :func:`url_secrets` keep passwords out of log lines and ``repr``. The
+connections :func:`connect` makes (:class:`ChunkConnection`, :class:`ChunkSSLConnection`) can also hand
+their socket's bytes to a reader that parses replies in place (:mod:`llama_cache.caches.redis_transfer`).
 
 Thread-safety: the functions keep no state; redis-py's clients are thread-safe.
 """

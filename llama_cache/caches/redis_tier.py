@@ -14,7 +14,10 @@ clients leave.
 node for the children of every chunk on the query's path (the query's full-chunk ids are computed
 locally from its tokens) and for an entry stored under exactly the query; the longest chain of known
 chunks plus the child sharing most of the query's next tokens is the best prefix. The second fetches
-those chunks (from every node that holds some: one round trip per node in a cluster). Each chunk is
+those chunks (from every node that holds some: one round trip per node in a cluster), read in place
+from the socket (:mod:`llama_cache.caches.redis_transfer`). The first also reads the in-flight markers
+of the query's chunks: a store announced by another process (:meth:`LlamaRedisCache.announce`) that
+would make the hit longer is waited for, for at most ``in_flight_seconds``. Each chunk is
 checked (checksum, id recomputed from its tokens, position, layout) before use: a chunk missing
 (evicted by Redis itself, or freed meanwhile) or damaged makes a shorter hit or a miss, never a
 wrong state. ``stats().round_trips`` counts round trips.
@@ -95,6 +98,7 @@ logger = logging.getLogger("llama_cache.caches.redis")
 
 _MAX_TOKENS = 1 << 24
 _LONGEST_CHUNK = 4096  # tokens: the bound on chunk_tokens
+_MAX_ANNOUNCED = 4096  # this process's pending announcements kept before the expired are dropped
 _POLL_SECONDS = 0.005  # how often a lookup waiting for an announced store asks again
 
 class LlamaRedisCache(BaseLlamaCache):
@@ -177,6 +181,7 @@ class LlamaRedisCache(BaseLlamaCache):
         self._node_lost = False  # a cluster node failed the last fetch while others answered
         self._unstorable_logged = False
         self._layouts: dict[str, tuple[KVLayout, int, int]] = {}  # ns -> (layout, chunk_tokens, seed)
+        self._announced: dict[str, float] = {}  # marker key -> when this process's announcement expires
 
     # ------------------------------------------------------------------------------ namespaces
 
@@ -260,7 +265,10 @@ class LlamaRedisCache(BaseLlamaCache):
                 self._store_errors += 1
             logger.warning("redis cache: the state does not hold the tokens of its key; not stored")
             return
-        self._store(value)
+        try:
+            self._store(value)
+        finally:
+            self._landed(value.fingerprint, held)
 
     def touch(self, keys: Sequence[Sequence[int]], *, namespace: str | None = None) -> None:
         """Make the entries stored under exactly ``keys`` (in ``namespace``, else the bound namespace) the
@@ -289,7 +297,8 @@ class LlamaRedisCache(BaseLlamaCache):
         writer may answer its caller first and store afterwards (write-behind,
         :class:`~llama_cache.caches.tiered.TieredCache` with ``write_through``) while the next request
         on another instance still finds the state. A marker whose writer died expires and the lookup
-        proceeds without it. Two writers announcing different chunks after the same one at once keep
+        proceeds without it. Lookups in this process do not wait for its own announced stores (a
+        faster tier in front, or the caller, holds those states). Two writers announcing different chunks after the same one at once keep
         the last marker (the other's readers do not wait: a shorter hit). A namespace this process
         has neither looked up nor stored in costs one more round trip (its chunk length).
         Never raises for Redis failures (counted in ``errors``).
@@ -315,7 +324,25 @@ class LlamaRedisCache(BaseLlamaCache):
         for piece in pieces(fingerprint, tokens, chunk_tokens):
             marker = redis_keys.marker_key(fingerprint, piece.prev)
             commands.append((marker, ("SET", marker, piece.tokens.astype("<i4").tobytes(), "PX", lifetime)))
+        expires = time.monotonic() + self.in_flight_seconds
+        with self._lock:
+            if len(self._announced) > _MAX_ANNOUNCED:  # announcements whose store never came
+                now = time.monotonic()
+                self._announced = {marker: until for marker, until in self._announced.items() if until > now}
+            for marker, _ in commands:
+                self._announced[marker] = expires
         self._call("announce", lambda: pipelined(self._client, commands))
+
+    def _landed(self, fingerprint: str, tokens: npt.NDArray[np.int32]) -> None:
+        """Forget this process's announcements of the chunks of ``tokens`` (its store is done)."""
+        with self._lock:
+            if not self._announced:
+                return
+            size = self.chunk_tokens or (self._layouts[fingerprint][1] if fingerprint in self._layouts else 0)
+            if not size:
+                return
+            for piece in pieces(fingerprint, np.asarray(tokens, dtype=np.int32), size):
+                self._announced.pop(redis_keys.marker_key(fingerprint, piece.prev), None)
 
     def stats(self) -> CacheStats:
         """This instance's counters; the namespace's entries and bytes (one round trip, counted)."""
@@ -443,6 +470,9 @@ class LlamaRedisCache(BaseLlamaCache):
             children = self._call("lookup", lambda: pipelined(self._client, asked)[0])
         plan = _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
         marker = in_flight[unbroken] if isinstance(in_flight, list) and len(in_flight) > unbroken else None
+        if self._announced.get(markers[unbroken], 0.0) > time.monotonic():
+            # This process's own store: the faster tier it answered from holds that state already.
+            marker = None
         return plan, _extends(marker, query, unbroken * chunk_tokens, plan.length, chunk_tokens)
 
     def _lookup(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> LlamaState | None:
