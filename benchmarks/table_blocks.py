@@ -93,7 +93,8 @@ def write_through(results: Results) -> str:
         f"One conversation per mode, {settings['turns']} turns on a ~{settings['document_words']}-word document, "
         f"{settings['max_tokens']} tokens per answer; median (min-max) over the turns:",
         table(["`--redis-write-through`", "last chunk after the one before it", "whole answer"], rows),
-        f"Write-through adds {num(run['cost_ms'], 0)} ms to the last chunk (the median difference).",
+        f"Write-through adds {num(run['cost_ms'], 1)} ms to the last chunk (the median difference)"
+        + (f"; the whole answer takes {num(run['answer_ratio'], 2)}x as long." if "answer_ratio" in run else "."),
         conditions(run),
     ])
 
