@@ -9,7 +9,7 @@ both made a file truncated by another process a SIGBUS. Now the index is a rollb
 ``unix-none`` VFS with ``flock`` on the directory, and payloads are read into private buffers. This
 script measures what that costs: ``git archive`` exports the package as of ``--before`` into a
 temporary folder, and each side runs the same measurements in fresh processes (``PYTHONPATH`` picks
-the package), alternating sides for ``--rounds`` rounds; the table gives each figure's median over
+the package), alternating sides for ``--rounds`` rounds (default 5); the table gives each figure's median over
 the rounds. Synthetic transformer states (:func:`llama_cache.testing.states.synthetic_state`) sized
 like the default model's KV (about 23 KB per token) keep it model-free:
 
@@ -17,9 +17,14 @@ like the default model's KV (about 23 KB per token) keep it model-free:
   commit dominates) and 512-token states (11.8 MB) stored whole and as chunks;
 - ``key in cache`` and ``match_length`` with 1,000 entries (the index's lock and sync);
 - a hit (``cache[key]``: lookup, read, checksum, decode, touch) of a small state, and of a 512-token
-  state stored whole and as chunks, page cache hot; ``lookup_prefix`` of half the chunked one.
+  state stored whole and as chunks, page cache hot; ``lookup_prefix`` of half the chunked one;
+- what a whole-state store costs besides the bytes, counted (not timed) over further stores after the
+  timed ones: SQLite statements (``set_trace_callback`` on every connection the package opens), and
+  the ``open``, ``mkdir`` and ``stat`` calls of the process (``os.open``, ``os.mkdir``, ``os.stat`` and
+  ``os.lstat`` wrapped while counting).
 
-Writes ``benchmarks/results/disk_io.json``.
+Prints the verdicts of issue #28's targets (whole-state stores at least 0.9x the rate before, at most
+6 statements per store) and writes ``benchmarks/results/disk_io.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -44,6 +50,63 @@ BEFORE = "5137aeb"  # the last commit whose disk tier memory-mapped its index an
 _CHILD = "--child"
 ROW = 5_760  # synthetic K/V row bytes: 4 * ROW = 23,040 bytes of KV per token, as the default model
 BIG_TOKENS = 512
+RATE_TARGET = 0.9  # whole-state stores: after / before
+STATEMENTS_TARGET = 6  # SQLite statements per whole-state store
+SMALL_COUNTED = 200  # small stores counted (after the timed ones)
+BIG_COUNTED = 3  # 512-token whole stores counted
+
+
+class Counter:
+    """Counts SQLite statements and ``open``/``mkdir``/``stat`` calls while :meth:`counting` (nothing
+    is wrapped outside it, so that timed loops run as they are). Works with any version of the package:
+    it hooks ``sqlite3.connect`` and ``os``, not the package."""
+
+    def __init__(self) -> None:
+        self.connections: list[Any] = []
+        self.counts = {"statements": 0, "open": 0, "mkdir": 0, "stat": 0}
+        real = sqlite3.connect
+
+        def connect(*args: Any, **kwargs: Any) -> Any:
+            conn = real(*args, **kwargs)
+            self.connections.append(conn)
+            return conn
+
+        sqlite3.connect = connect  # type: ignore[assignment]
+
+    def _count(self, what: str) -> None:
+        self.counts[what] += 1
+
+    def counting(self, fn: Callable[[], Any], stores: int) -> dict[str, float]:
+        """Run ``fn`` (``stores`` stores) counting; the counts per store."""
+        self.counts = dict.fromkeys(self.counts, 0)
+        wrapped = {name: getattr(os, name) for name in ("open", "mkdir", "stat", "lstat")}
+
+        def wrap(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+            what = "stat" if name in ("stat", "lstat") else name
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self._count(what)
+                return real(*args, **kwargs)
+            return call
+
+        for conn in self.connections:
+            try:
+                conn.set_trace_callback(lambda _sql: self._count("statements"))
+            except sqlite3.ProgrammingError:  # closed
+                pass
+        for name, real in wrapped.items():
+            setattr(os, name, wrap(name, real))
+        try:
+            fn()
+        finally:
+            for name, real in wrapped.items():
+                setattr(os, name, real)
+            for conn in self.connections:
+                try:
+                    conn.set_trace_callback(None)
+                except sqlite3.ProgrammingError:  # closed
+                    pass
+        return {what: n / stores for what, n in self.counts.items()}
 
 
 def median_time(fn: Callable[[], Any], repeat: int) -> float:
@@ -63,6 +126,7 @@ def measure(workdir: Path, repeat: int) -> dict[str, float]:
 
     rng = np.random.default_rng(0)
     out: dict[str, float] = {}
+    counter = Counter()
 
     def small(i: int) -> LlamaState:
         tokens = np.array([1 + i, 2, 3], dtype=np.int32)
@@ -74,7 +138,14 @@ def measure(workdir: Path, repeat: int) -> dict[str, float]:
         for i in range(n):
             cache[[1 + i, 2, 3]] = small(i)
         out["store small (/s)"] = n / (time.perf_counter() - start)
-        for i in range(n, 1_000):
+
+        def counted_small() -> None:
+            for i in range(n, n + SMALL_COUNTED):
+                cache[[1 + i, 2, 3]] = small(i)
+
+        for what, per in counter.counting(counted_small, SMALL_COUNTED).items():
+            out[f"{what} per small store"] = per
+        for i in range(n + SMALL_COUNTED, 1_000):
             cache[[1 + i, 2, 3]] = small(i)
         out["key in cache, 1k entries (us)"] = median_time(lambda: [5, 2, 3] in cache, 50 * repeat) * 1e6
         out["match_length, 1k entries (us)"] = median_time(lambda: cache.match_length([5, 2, 3, 9]), 50 * repeat) * 1e6
@@ -86,14 +157,22 @@ def measure(workdir: Path, repeat: int) -> dict[str, float]:
                             chunk_tokens=chunk_tokens) as cache:
             n = 2 * repeat
             states = []
-            for i in range(n):  # distinct last tokens: a real write each, sharing all earlier chunks
+            for i in range(n + BIG_COUNTED):  # distinct last tokens: a real write each, sharing all earlier chunks
                 tokens = big.tokens.copy()
                 tokens[-1] = 49_152 + i
                 states.append(LlamaState.from_seq_bytes(tokens, None, 0, "bench", big.seq_bytes()))
             start = time.perf_counter()
-            for state in states:
+            for state in states[:n]:
                 cache[state.tokens] = state
             out[f"store {BIG_TOKENS} tokens {label} (/s)"] = n / (time.perf_counter() - start)
+            if chunk_tokens == 0:
+
+                def counted_big() -> None:
+                    for state in states[n:]:
+                        cache[state.tokens] = state
+
+                for what, per in counter.counting(counted_big, BIG_COUNTED).items():
+                    out[f"{what} per {BIG_TOKENS}-token whole store"] = per
             key = states[0].tokens
             cache[key]  # page cache hot
             out[f"hit {BIG_TOKENS} tokens {label} (ms)"] = median_time(lambda: cache[key], 3 * repeat) * 1e3
@@ -102,6 +181,30 @@ def measure(workdir: Path, repeat: int) -> dict[str, float]:
                 out[f"lookup_prefix {BIG_TOKENS // 2} tokens (ms)"] = (
                     median_time(lambda: cache.lookup_prefix(half), 3 * repeat) * 1e3
                 )
+    return out
+
+
+def targets(medians: dict[str, dict[str, float]], runs: dict[str, list[dict[str, float]]]) -> list[dict[str, Any]]:
+    """Issue #28's disk-store targets, met or not. A rate's verdict is the median over the rounds of
+    after / before within a round (the two sides ran back to back, so a shared machine's load, which
+    moves the rates of a round together, cancels); the ratio of the medians is shown beside it."""
+    before, after = medians["before"], medians["after"]
+    out: list[dict[str, Any]] = []
+    for key in ("store small (/s)", f"store {BIG_TOKENS} tokens whole (/s)"):
+        paired = statistics.median(a[key] / b[key] for a, b in zip(runs["after"], runs["before"]))
+        out.append({"what": f"{key.replace(' (/s)', '')}: rate >= {RATE_TARGET}x before",
+                    "value": f"{paired:.2f}x (median of {len(runs['after'])} rounds' ratios; ratio of the medians "
+                             f"{after[key] / before[key]:.2f}x)",
+                    "met": paired >= RATE_TARGET})
+    for kind in ("small store", f"{BIG_TOKENS}-token whole store"):
+        key = f"statements per {kind}"
+        if key not in after:
+            continue
+        was = f" (before: {before[key]:.1f})" if key in before else ""
+        out.append({"what": f"SQLite statements per {kind} <= {STATEMENTS_TARGET}",
+                    "value": f"{after[key]:.2f}{was}; open {after[f'open per {kind}']:.2f}, "
+                             f"mkdir {after[f'mkdir per {kind}']:.2f}, stat {after[f'stat per {kind}']:.2f} per store",
+                    "met": after[key] <= STATEMENTS_TARGET})
     return out
 
 
@@ -134,7 +237,7 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", default=BEFORE, help=f"the commit to compare with (default {BEFORE})")
-    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per side, alternating")
+    parser.add_argument("--rounds", type=int, default=5, help="fresh processes per side, alternating")
     parser.add_argument("--quick", action="store_true", help="fewer repeats per measurement")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -161,12 +264,17 @@ def main() -> int:
     print(f"\nDisk tier, memory-mapped ({args.before}) against read and rollback journal (this checkout); "
           f"medians of {args.rounds} processes per side")
     table(rows)
+    found = targets(medians, runs)
+    print()
+    for target in found:
+        print(f"  {target['what']}: {target['value']}  {'MET' if target['met'] else 'NOT MET'}")
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     results = {
         "machine": described,
         "settings": {"before": args.before, "after": commit.stdout.strip(), "rounds": args.rounds, "repeat": repeat,
                      "row_bytes": ROW, "big_tokens": BIG_TOKENS},
         "medians": medians,
+        "targets": found,
         "runs": runs,
     }
     finish(results)

@@ -33,7 +33,10 @@ no ``maxmemory``) serves every section, emptied (``FLUSHALL``) before each. Sect
    with ``verify=False``). Against the practical limit: ``redis-benchmark -t set,get -d <chunk value size>``
    on the same server (``-c 1 -P 1``, ``-c 1 -P 16`` and ``-c 4``: the best of them), and redis-py's own
    pipelined SET / GET of the same values (the client library's share). Target: at least 50% of
-   redis-benchmark's MB/s, for stores and for lookups.
+   redis-benchmark's MB/s, for stores and for lookups. Where the time goes: one more store and lookup
+   under ``cProfile``, the functions taking most of it (own time) in the JSON's ``transfer.profile``.
+   (redis-benchmark sets and gets one key over and over, so its value is in the CPU's caches; the
+   tier's 95 values are not.)
 4. **memory** - the workload of the chunk-storage issue (#10), from ``benchmarks/dedup.py`` (its generator
    and its run): ``--conversations`` users (20) sharing a ``--system-tokens`` system prompt (1,000),
    ``--turns`` questions each (5; 40-100 words), interleaved round-robin as greedy streamed chat
@@ -490,11 +493,13 @@ def bench_transfer(server: Any, state: Any, repeat: int, requests: int) -> dict[
                         add(f"bench_{test}_mbps_c{clients}_P{pipeline}", rps[test] * size / 1e6)
                 client.delete("key:__rand_int__")
         print(f"  transfer: repetition {rep + 1}/{repeat} done", file=sys.stderr)
+    profile = profile_transfer(cache, state)
     cache.clear()
     cache.close()
     client.close()
 
     out: dict[str, Any] = {name: statistics.median(values) for name, values in samples.items()}
+    out["profile"] = profile
     out["samples"] = samples
     out["chunk_value_bytes"] = len(chunk_values[0])
     out["state_tokens"] = state.n_tokens
@@ -521,6 +526,30 @@ def bench_transfer(server: Any, state: Any, repeat: int, requests: int) -> dict[
             ["lookup, verify=False", f"{out['lookup_mbps_verify_False']:.0f}", "", "", ""],
         ],
     )
+    return out
+
+
+def profile_transfer(cache: Any, state: Any, top: int = 8) -> dict[str, Any]:
+    """One store and one lookup of a fresh variant of ``state`` under cProfile: the ``top`` functions by
+    own time (ms, calls), and each call's whole time."""
+    import cProfile
+    import pstats
+
+    fresh = variant(state, 10**4)
+    out: dict[str, Any] = {}
+    for name, call in (("store", lambda: cache.__setitem__(fresh.tokens, fresh)), ("lookup", lambda: cache[fresh.tokens])):
+        profiler = cProfile.Profile()
+        start = time.perf_counter()
+        profiler.runcall(call)
+        whole = time.perf_counter() - start
+        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+        rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+        out[name] = {"ms": 1e3 * whole, "functions": [
+            {"function": f"{Path(file).name}:{line}({function})", "calls": calls, "own_ms": 1e3 * own}
+            for (file, line, function), (calls, _, own, _, _) in rows]}
+        print(f"  profile, {name} ({1e3 * whole:.0f} ms under cProfile): " + ", ".join(
+            f"{row['function']} {row['own_ms']:.1f} ms" for row in out[name]["functions"][:4]), file=sys.stderr)
+    cache.clear()
     return out
 
 

@@ -93,7 +93,8 @@ def write_through(results: Results) -> str:
         f"One conversation per mode, {settings['turns']} turns on a ~{settings['document_words']}-word document, "
         f"{settings['max_tokens']} tokens per answer; median (min-max) over the turns:",
         table(["`--redis-write-through`", "last chunk after the one before it", "whole answer"], rows),
-        f"Write-through adds {num(run['cost_ms'], 0)} ms to the last chunk (the median difference).",
+        f"Write-through adds {num(run['cost_ms'], 1)} ms to the last chunk (the median difference)"
+        + (f"; the whole answer takes {num(run['answer_ratio'], 2)}x as long." if "answer_ratio" in run else "."),
         conditions(run),
     ])
 
@@ -719,8 +720,11 @@ def disk_io(results: Results) -> str:
     return "\n\n".join([
         f"Synthetic states sized like the default model's KV; medians of {settings['rounds']} fresh processes per "
         f"side, alternating; \"before\" is commit {settings['before']} (mmap, WAL). A rate (/s) is better higher, a "
-        "time better lower:",
+        "time better lower; statements and system calls are counted per store:",
         table(["measure", "before", "after", "after / before"], rows),
+        *(["Targets (issue #28):\n\n" + "\n".join(
+            f"- {t['what']}: {t['value']} **{'met' if t['met'] else 'not met'}**" for t in run["targets"])]
+          if run.get("targets") else []),
         conditions(run),
     ])
 

@@ -23,6 +23,7 @@ with these differences:
 from __future__ import annotations
 
 import ctypes
+import inspect
 import logging
 from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
@@ -569,14 +570,28 @@ class Llama(llama_cpp.Llama):
         cache = self.cache
         if cache is not None:
             self.cache = _FailSafeCache(cache, self._lookup_in_namespace)  # type: ignore[assignment]
+        # A stream's finishing chunk goes out before the state is saved: a cache that takes
+        # announcements (the Redis tier) is told first, so that a next turn on another process,
+        # which may come as soon as the chunk arrives, waits for the state instead of missing it.
+        announce = getattr(cache, "announce", None) if _streams(args, kwargs) else None
         try:
             for chunk in super()._create_completion(*args, **kwargs):
                 self._store_prompt_state()
+                if callable(announce) and _finishes(chunk):
+                    self._announce(announce)
+                    announce = None
                 yield chunk
             self._store_prompt_state()
         finally:
             if isinstance(self.cache, _FailSafeCache):
                 self.cache = cache
+
+    def _announce(self, announce: Callable[..., None]) -> None:
+        """Announce the state about to be saved (the evaluated tokens) to the cache; never raises."""
+        try:
+            announce(np.array(self._input_ids[: self.n_tokens], dtype=np.int32), namespace=self.fingerprint)
+        except Exception as error:  # noqa: BLE001 - a cache failure never fails a completion
+            logger.warning("could not announce a state to the cache (%s: %s)", type(error).__name__, error)
 
     def _lookup_in_namespace(self, cache: Any, key: Sequence[int]) -> Any:
         """The state ``cache`` answers ``key`` with in this instance's namespace (KeyError: none).
@@ -601,6 +616,23 @@ class Llama(llama_cpp.Llama):
         if pending is not None and self.cache is not None:
             key, state = pending
             self.cache[key] = state  # through _FailSafeCache: never raises
+
+
+def _streams(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether llama-cpp-python's ``_create_completion`` called with these arguments streams."""
+    try:
+        return bool(inspect.signature(llama_cpp.Llama._create_completion).bind(None, *args, **kwargs).arguments.get(
+            "stream", False))
+    except TypeError:
+        return False
+
+
+def _finishes(chunk: Any) -> bool:
+    """Whether a completion chunk is the one with the finish reason."""
+    try:
+        return chunk["choices"][0].get("finish_reason") is not None
+    except (TypeError, KeyError, IndexError, AttributeError):
+        return False
 
 
 class _FailSafeCache:

@@ -54,7 +54,7 @@ def test_a_number_comes_from_the_result_file(tmp_path: Path) -> None:
     run["cost_ms"] = 1234.0
     (copy / "write_through.json").write_text(json.dumps(run))
     body, _ = tables.rendered(PAGE.format(body=""), Results(copy))
-    assert "adds 1,234 ms" in body
+    assert "adds 1,234.0 ms" in body
     shutil.rmtree(copy)
 
 

@@ -122,7 +122,7 @@ def test_a_writer_makes_again_a_folder_removed_under_it(tmp_path: Path, monkeypa
     it: the creation fails (the folder is gone) and the writer makes the folder again."""
     directory = tmp_path / "cache"
     cache = LlamaDiskCache(directory, write_behind=False, chunk_tokens=0)
-    real_open_subdir = payloads._DataDir._open_subdir
+    real_open_subdir = payloads.DataDir._open_subdir
     removed: list[str] = []
 
     def open_then_lose(self: Any, subdir: str, create: bool = False) -> int:
@@ -132,7 +132,7 @@ def test_a_writer_makes_again_a_folder_removed_under_it(tmp_path: Path, monkeypa
             removed.append(subdir)
         return fd
 
-    monkeypatch.setattr(payloads._DataDir, "_open_subdir", open_then_lose)
+    monkeypatch.setattr(payloads.DataDir, "_open_subdir", open_then_lose)
     cache[[1, 2, 3]] = make_state([1, 2, 3], 5000)
     assert len(removed) == 3  # three attempts lost the folder; the fourth wrote the file
     monkeypatch.undo()

@@ -201,7 +201,7 @@ def test_write_behind_returns_before_the_write_and_lookups_wait_for_it(
     cache = open_cache()
     writing, release = threading.Event(), threading.Event()
     writers: list[threading.Thread] = []
-    real_write = payloads._write_all
+    real_write = payloads.write_all
 
     def slow_write(fd: int, data: Any) -> None:
         writers.append(threading.current_thread())
@@ -209,7 +209,7 @@ def test_write_behind_returns_before_the_write_and_lookups_wait_for_it(
         assert release.wait(10)
         real_write(fd, data)
 
-    monkeypatch.setattr(payloads, "_write_all", slow_write)
+    monkeypatch.setattr(payloads, "write_all", slow_write)
     cache[[1, 2]] = make_state([1, 2], 100_000)
     # The caller did not wait for the disk: the write, held until release, runs on another thread.
     assert writing.wait(10) and not release.is_set()
@@ -376,13 +376,13 @@ def test_a_full_disk_leaves_the_rest_of_the_cache_intact(
     cache[[1]] = make_state([1], 4000)
     cache[[2]] = make_state([2], 4000)
     cache.flush()
-    real_write = payloads._write_all
+    real_write = payloads.write_all
 
     def full_disk(fd: int, data: Any) -> None:
         real_write(fd, memoryview(data)[: len(memoryview(data)) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(payloads, "_write_all", full_disk)
+    monkeypatch.setattr(payloads, "write_all", full_disk)
     with caplog.at_level(logging.WARNING, logger="llama_cache"):
         cache[[1]] = make_state([1], 9000, logits=True)  # a replacement that cannot be written
         cache[[3]] = make_state([3], 4000)
@@ -391,7 +391,7 @@ def test_a_full_disk_leaves_the_rest_of_the_cache_intact(
     assert cache.stats().store_errors == 2 and cache.stats().writes == 2
     assert any("no space left" in record.message for record in caplog.records)
     assert cache.check().ok  # no partial file left behind
-    monkeypatch.setattr(payloads, "_write_all", real_write)
+    monkeypatch.setattr(payloads, "write_all", real_write)
     cache[[3]] = make_state([3], 4000)
     assert pattern_ok(cache[[3]])
 
@@ -450,7 +450,7 @@ _KILL_ZYGOTE = _SCRIPT_HEAD + textwrap.dedent(
         if writes:  # SIGKILL itself right after its writes-th payload file, before the index names it
             import signal
             from llama_cache.caches.disk import payloads
-            write, written = payloads._DataDir.write, []
+            write, written = payloads.DataDir.write, []
 
             def write_then_die(*args, **kwargs):
                 size = write(*args, **kwargs)
@@ -459,7 +459,7 @@ _KILL_ZYGOTE = _SCRIPT_HEAD + textwrap.dedent(
                     os.kill(os.getpid(), signal.SIGKILL)
                 return size
 
-            payloads._DataDir.write = write_then_die
+            payloads.DataDir.write = write_then_die
         rng = random.Random(seed)
         cache = LlamaDiskCache(directory, capacity_bytes=3_000_000, write_behind=rng.random() < 0.5)
         while True:

@@ -47,7 +47,7 @@ _ZYGOTE = textwrap.dedent(
     def child(seed, directory, writes):
         if writes:  # SIGKILL itself right after its writes-th payload file, before the index names it
             from llama_cache.caches.disk import payloads
-            write, written = payloads._DataDir.write, []
+            write, written = payloads.DataDir.write, []
 
             def write_then_die(*args, **kwargs):
                 size = write(*args, **kwargs)
@@ -56,7 +56,7 @@ _ZYGOTE = textwrap.dedent(
                     os.kill(os.getpid(), signal.SIGKILL)
                 return size
 
-            payloads._DataDir.write = write_then_die
+            payloads.DataDir.write = write_then_die
         rng = random.Random(seed)
         cache = LlamaDiskCache(directory, capacity_bytes={CAPACITY}, chunk_tokens={CHUNK_TOKENS},
                                write_behind=rng.random() < 0.5)

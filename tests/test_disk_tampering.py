@@ -443,7 +443,7 @@ def _tamper(rng: random.Random, directory: Path, outside: Path) -> str:
         if act in _CHUNK_ACTS:
             return _tamper_chunks(rng, conn, act, values, files, data)
         if act == "column" and ids:
-            column = rng.choice(disk._ENTRY_COLUMNS[1:])
+            column = rng.choice(disk.ENTRY_COLUMNS[1:])
             value = rng.choice(values)
             try:
                 conn.execute(f"UPDATE entries SET {column} = ? WHERE id = ?", (value, rng.choice(ids)))

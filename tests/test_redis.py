@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from llama_cache.caches.redis_tier import LlamaRedisCache
-from llama_cache.state.chunks import default_chunk_tokens, encode_chunk, encode_head, pieces
+from llama_cache.caches.redis_frames import encode_frame, frame_size
+from llama_cache.state.chunks import default_chunk_tokens, encode_head, pieces
 from llama_cache.state.llama_state import LlamaState
 from llama_cache.testing.redis_server import RedisCluster, RedisServer, redis_available
 from tests.cache_contract import CacheContract
@@ -93,7 +94,7 @@ def redis_size(state: LlamaState) -> int:
     size = default_chunk_tokens(state.layout)
     chain = pieces(state.fingerprint, state.tokens, size)
     head = sum(part.nbytes for part in encode_head(state, size))
-    return head + sum(sum(p.nbytes for p in encode_chunk(state.fingerprint, piece, state.layout, state.segments)) for piece in chain)
+    return head + sum(frame_size(state.layout, piece.n_tokens) for piece in chain)
 
 
 class TestRedisContract(CacheContract):
@@ -180,7 +181,7 @@ def test_a_growing_conversation_keeps_one_tail_per_branch(fresh: Deployment) -> 
     for turn in turns:
         cache[turn.tokens] = turn
     last = turns[-1]
-    chunks = sum(encode_chunk("test", piece, last.layout, last.segments)[0].nbytes for piece in pieces("test", last.tokens, 8))
+    chunks = sum(frame_size(last.layout, piece.n_tokens) for piece in pieces("test", last.tokens, 8))
     heads = sum(sum(part.nbytes for part in encode_head(turn, 8)) for turn in turns)
     assert cache.cache_size == chunks + heads  # every chunk once: no tail left behind
     assert len(_chunk_keys(fresh)) == 3
@@ -300,7 +301,8 @@ def test_sweep_collects_what_a_dead_client_left(fresh: Deployment) -> None:
     client = raw_client(fresh)
     for piece in pieces("test", orphan_state.tokens, 8):
         client.set(b"llc:c:" + piece.id.hex().encode(),
-                   b"".join(encode_chunk("test", piece, orphan_state.layout, orphan_state.segments)))
+                   bytes(encode_frame("test", piece, orphan_state.layout, orphan_state.segments,
+                                      np.empty(frame_size(orphan_state.layout, piece.n_tokens), dtype=np.uint8))))
     before = cache.cache_size
     assert len(_chunk_keys(fresh)) == 10
     assert cache.sweep(grace_seconds=0) == 5
@@ -429,7 +431,7 @@ def test_a_rediss_url_naming_several_nodes_speaks_tls_to_each() -> None:
 
 @pytest.mark.parametrize("loss", ["killed", "stopped"])
 def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: str) -> None:
-    from llama_cache.caches.redis_tier import _chunk_key, _meta_key
+    from llama_cache.caches.redis_keys import chunk_key, meta_key
 
     # Without full coverage required, the nodes left answer for their own slots.
     with RedisCluster(3, args=["--cluster-require-full-coverage", "no"]) as cluster:
@@ -437,8 +439,8 @@ def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: 
         state = make_cut_state(range(200), 200 * 100, logits=True)
         cache[range(200)] = state
         client = raw_client(cluster)
-        holders = [client.get_node_from_key(_chunk_key(piece.id)).port for piece in pieces("test", state.tokens, 8)]
-        metadata = client.get_node_from_key(_meta_key("test", "lru")).port
+        holders = [client.get_node_from_key(chunk_key(piece.id)).port for piece in pieces("test", state.tokens, 8)]
+        metadata = client.get_node_from_key(meta_key("test", "lru")).port
         victim = next(node for node in cluster.servers if node.port not in (metadata, holders[0]) and node.port in holders)
         assert victim.process is not None
         lost_from = holders.index(victim.port) * 8
@@ -461,7 +463,7 @@ def test_a_lost_cluster_node_makes_its_chunks_misses_and_the_others_serve(loss: 
 def test_completions_go_on_when_a_cluster_node_is_lost() -> None:
     import llama_cache
     from llama_cache import Llama
-    from llama_cache.caches.redis_tier import _meta_key
+    from llama_cache.caches.redis_keys import meta_key
 
     with RedisCluster(3, args=["--cluster-require-full-coverage", "no"]) as cluster:
         cache = LlamaRedisCache(cluster.url, timeout=0.5, chunk_tokens=16)
@@ -469,7 +471,7 @@ def test_completions_go_on_when_a_cluster_node_is_lost() -> None:
         prompt = llm.tokenize(b"The history of the printing press begins in the fifteenth century. " * 12)
         first = llm.create_completion(prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
         assert cache.fingerprint is not None
-        metadata = raw_client(cluster).get_node_from_key(_meta_key(cache.fingerprint, "lru")).port
+        metadata = raw_client(cluster).get_node_from_key(meta_key(cache.fingerprint, "lru")).port
         next(node for node in cluster.servers if node.port != metadata).kill()
         for _ in range(2):
             llm.reset()
@@ -590,3 +592,111 @@ def test_among_many_branches_the_one_sharing_most_answers(fresh: Deployment) -> 
     assert tail.n_tokens == 2
     for i in range(found.layout.n_layer):
         assert np.array_equal(tail.k[i], own.k[i][16:18])
+
+
+# -- in-flight stores (announce) ------------------------------------------------------------------------
+
+
+def test_a_lookup_during_an_announced_store_waits_for_it_and_finds_the_state(fresh: Deployment) -> None:
+    writer = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=30)
+    reader = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=30)
+    turn = make_cut_state(range(45), 45 * 100)
+    writer[range(20)] = turn.prefix(20, None)  # the conversation so far
+    assert reader.match_length([*range(45), 99]) == 20 and reader.waits == 0
+    writer.announce(range(45))  # the next answer's state, about to be stored
+    stored = threading.Event()
+
+    def store_later() -> None:
+        writer[range(45)] = turn  # write-behind: after the answer went out
+        stored.set()
+
+    # The store starts only once the reader is waiting: it cannot have landed before the lookup began.
+    waiting = threading.Thread(target=lambda: (_wait_until(lambda: reader.waits == 1), store_later()))
+    waiting.start()
+    found = reader[[*range(45), 99, 98]]
+    waiting.join()
+    assert stored.is_set() and reader.waits == 1
+    assert found.n_tokens == 45
+    assert np.array_equal(found.seq_bytes(), turn.prefix(45, None).seq_bytes())
+    assert raw_client(fresh).exists(*(f"llc:{{{_ns('test')}}}:w:{piece.prev.hex()}" for piece in pieces("test", turn.tokens, 8))) == 0
+
+
+def test_a_marker_whose_writer_died_expires_and_the_lookup_goes_on(fresh: Deployment) -> None:
+    writer = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=0.3)
+    reader = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=0.3)
+    writer[range(16)] = make_cut_state(range(16), 16 * 100)
+    writer.announce(range(40))  # ... and the writer dies before storing
+    assert reader.match_length(range(40)) == 16  # what is stored, once the markers expired
+    assert reader.waits == 1
+    assert reader[range(40)].n_tokens == 16
+    assert reader.waits == 1  # the markers are gone: no second wait
+    writer.announce(range(300, 340))
+    with pytest.raises(KeyError):
+        reader[range(300, 340)]  # a miss, after the bound
+
+
+def test_markers_of_other_tokens_make_no_lookup_wait(fresh: Deployment) -> None:
+    writer = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=30)
+    reader = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=30)
+    writer[range(16)] = make_cut_state(range(16), 16 * 100)
+    writer.announce([*range(16), 500, 501, 502])  # another branch after the same chunks
+    assert reader.match_length([*range(16), 700, 701]) == 16
+    assert reader.match_length(range(16)) == 16
+    assert reader.waits == 0
+    never = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=0)
+    assert never.match_length([*range(16), 500, 501]) == 16 and never.waits == 0
+
+
+def test_an_announce_without_redis_is_a_counted_failure() -> None:
+    with RedisServer() as stopped:
+        url = stopped.url
+    cache = LlamaRedisCache(url, fingerprint="test", chunk_tokens=8, timeout=0.2)
+    cache.announce(range(40))
+    assert cache.errors == 1
+
+
+def _wait_until(condition: Any) -> None:
+    import time
+
+    for _ in range(30_000):  # (a bound for a broken build, not a timing assertion)
+        if condition():
+            return
+        time.sleep(0.002)
+    raise AssertionError("the condition never held")
+
+
+def _ns(fingerprint: str) -> str:
+    from llama_cache.caches.redis_keys import ns
+
+    return ns(fingerprint)
+
+
+def test_a_write_through_store_in_flight_is_found_by_another_instance(fresh: Deployment) -> None:
+    from llama_cache import LlamaRAMCache, TieredCache
+
+    gate = threading.Event()
+
+    class Held(LlamaRedisCache):
+        """A Redis tier whose stores wait for the test (a slow network)."""
+
+        def __setitem__(self, key: Sequence[int], value: Any) -> None:
+            gate.wait(60)
+            super().__setitem__(key, value)
+
+    shared = Held(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    tiered = TieredCache([LlamaRAMCache(capacity_bytes=10**8), shared], write_through=True)
+    other = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    state = make_cut_state(range(40), 40 * 100)
+    try:
+        tiered[range(40)] = state  # returns at once: announced, stored behind
+        found: list[LlamaState] = []
+        lookup = threading.Thread(target=lambda: found.append(other[[*range(40), 7]]))
+        lookup.start()
+        _wait_until(lambda: other.waits == 1)  # the other instance waits for the store...
+        gate.set()  # ...which lands now
+        lookup.join()
+        assert found[0].n_tokens == 40
+        assert np.array_equal(found[0].seq_bytes(), state.seq_bytes())
+    finally:
+        gate.set()
+        tiered.close()

@@ -5,7 +5,9 @@ client made from one, and pipelines that keep going when one cluster node is los
 cluster client whose every node gets the URL's credentials, scheme and options. :func:`pipelined` runs
 single-key commands in one round trip per node: on a cluster each node is sent its own commands, so a
 lost node fails only its own (within one socket timeout) instead of the whole call.
-:func:`redact_url` and :func:`url_secrets` keep passwords out of log lines and ``repr``.
+:func:`redact_url` and :func:`url_secrets` keep passwords out of log lines and ``repr``. The
+connections :func:`connect` makes (:class:`ChunkConnection`, :class:`ChunkSSLConnection`) can also hand
+their socket's bytes to a reader that parses replies in place (:mod:`llama_cache.caches.redis_transfer`).
 
 Thread-safety: the functions keep no state; redis-py's clients are thread-safe.
 """
@@ -13,6 +15,7 @@ Thread-safety: the functions keep no state; redis-py's clients are thread-safe.
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote
@@ -22,7 +25,43 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["connect", "pipelined", "redact_url", "url_secrets"]
+__all__ = ["ChunkConnection", "ChunkSSLConnection", "InPlaceReads", "connect", "pipelined", "redact_url", "url_secrets"]
+
+
+class InPlaceReads:
+    """Raw reads from a redis-py connection's socket, for replies no parser has seen.
+
+    Only call :meth:`recv_into` after sending commands on a connection with no reply pending: the
+    bytes go to the caller, not to the connection's parser.
+    """
+
+    def recv_into(self, buffer: memoryview) -> int:
+        """Read at least one byte into ``buffer``; the count.
+
+        Raises:
+            redis.TimeoutError: nothing within the socket timeout.
+            redis.ConnectionError: the connection is closed or broken.
+        """
+        sock = self._sock  # type: ignore[attr-defined]  # this connection's own socket (redis-py's attribute)
+        if sock is None:
+            raise redis.ConnectionError("not connected")
+        try:
+            count = int(sock.recv_into(buffer))
+        except socket.timeout as error:
+            raise redis.TimeoutError("timeout reading from the socket") from error
+        except OSError as error:
+            raise redis.ConnectionError(f"error reading from the socket: {error}") from error
+        if count == 0:
+            raise redis.ConnectionError("connection closed by the server")
+        return count
+
+
+class ChunkConnection(InPlaceReads, redis.Connection):
+    """A redis-py TCP connection whose replies can also be read in place (:func:`llama_cache.caches.redis_transfer.fetch`)."""
+
+
+class ChunkSSLConnection(InPlaceReads, redis.SSLConnection):
+    """A redis-py TLS connection whose replies can also be read in place (:func:`llama_cache.caches.redis_transfer.fetch`)."""
 
 
 def pipelined(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], *, strict: bool = True) -> list[Any]:
@@ -117,6 +156,9 @@ def connect(url: str, timeout: float, cluster: bool) -> Any:
     """
     retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     options: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
+    scheme = url.partition("://")[0].lower()
+    if scheme in ("redis", "rediss"):  # (a unix:// URL keeps redis-py's socket connection)
+        options["connection_class"] = ChunkSSLConnection if scheme == "rediss" else ChunkConnection
     first, others = _split_nodes(url)
     if cluster or others:
         startup = [redis.cluster.ClusterNode(*_host_port(node)) for node in others]

@@ -4,26 +4,20 @@ It stores transformer states as the content-addressed chunks of :mod:`llama_cach
 prefixes of any two states are the same chunks, so a system prompt used by a thousand conversations on
 ten machines is stored once.
 
-**Keys** (``ns`` is a 16-hex digest of the model fingerprint, so namespaces never mix)::
-
-    llc:c:<chunk id hex>               a chunk: its encoded bytes (checksummed, self-describing)
-    llc:{ns}:t:<prev id hex>           hash: chunk id hex -> tokens, of the chunks stored after ``prev``
-    llc:{ns}:e:<key digest hex>        hash: head (tokens, logits, seed, layout), chain (ids), size
-    llc:{ns}:lru                       sorted set of entry digests by last use
-    llc:{ns}:refs / llc:{ns}:info      hashes: chunk id -> links; chunk id -> "size:prev"
-    llc:{ns}:u:<chunk id hex>          set: the entries whose chain ends on this partial chunk
-    llc:{ns}:bytes, llc:{ns}:clock     unique bytes held; the LRU clock
-    llc:{ns}:meta                      hash: layout, chunk_tokens, seed of the namespace
-
-Chunk keys carry no hash tag, so in a Redis Cluster they spread over every node by id; the keys of a
-namespace's metadata share the tag ``{ns}`` and live on one node, where a Lua script updates them
-atomically.
+**Keys**: one per chunk, spread over a cluster's nodes by id, and the namespace's metadata on one node
+(:mod:`llama_cache.caches.redis_keys`), updated atomically by Lua scripts
+(:mod:`llama_cache.caches.redis_scripts`); chunk values travel through
+:mod:`llama_cache.caches.redis_transfer`, and :mod:`llama_cache.caches.redis_sweep` repairs what dying
+clients leave.
 
 **A lookup is two pipelined round trips**, whatever the number of entries: the first asks the metadata
 node for the children of every chunk on the query's path (the query's full-chunk ids are computed
 locally from its tokens) and for an entry stored under exactly the query; the longest chain of known
 chunks plus the child sharing most of the query's next tokens is the best prefix. The second fetches
-those chunks (from every node that holds some: one round trip per node in a cluster). Each chunk is
+those chunks (from every node that holds some: one round trip per node in a cluster), read in place
+from the socket (:mod:`llama_cache.caches.redis_transfer`). The first also reads the in-flight markers
+of the query's chunks: a store announced by another process (:meth:`LlamaRedisCache.announce`) that
+would make the hit longer is waited for, for at most ``in_flight_seconds``. Each chunk is
 checked (checksum, id recomputed from its tokens, position, layout) before use: a chunk missing
 (evicted by Redis itself, or freed meanwhile) or damaged makes a shorter hit or a miss, never a
 wrong state. ``stats().round_trips`` counts round trips.
@@ -61,10 +55,10 @@ put a disk tier beside it in a :class:`~llama_cache.caches.tiered.TieredCache` f
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,19 +68,19 @@ import numpy.typing as npt
 import redis
 import redis.cluster
 
+from llama_cache.caches import redis_keys
+from llama_cache.caches import redis_sweep, redis_transfer
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
 from llama_cache.caches.redis_client import connect, pipelined, redact_url, url_secrets
+from llama_cache.caches.redis_frames import decode_frame, frame_size
+from llama_cache.caches.redis_scripts import STORE_SCRIPT, TOUCH_SCRIPT
 from llama_cache.state.chunks import (
     ID_BYTES,
     Head,
-    Piece,
     assemble,
     chain_ids,
-    chunk_size,
-    decode_chunk,
     decode_head,
     default_chunk_tokens,
-    encode_chunk,
     encode_head,
     layout_from_json,
     layout_to_json,
@@ -102,148 +96,10 @@ __all__ = ["LlamaRedisCache", "redact_url"]
 
 logger = logging.getLogger("llama_cache.caches.redis")
 
-_MAX_VALUE = 512 << 20  # Redis's own limit on a string value
 _MAX_TOKENS = 1 << 24
-_FRAME_SLACK = 64 << 10  # room for a chunk's prefix and header in the reused store buffer
-_RESP_ROOM = 128  # room for a SET command's RESP header before a chunk in that buffer
-_CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
-
-# Links a new entry to its chain, drops the entry it replaces, absorbs partial tails and evicts LRU
-# entries until the unique bytes fit. KEYS: entry, lru, refs, info, bytes, clock (all tagged {ns}: one
-# slot). ARGV: key prefix, entry member, head, capacity, chain length, chunk length, then per chunk: id
-# hex, size, prev hex, tokens. Returns 1 when the entry itself did not fit (it is then dropped), the ids
-# of the chunks freed and the number of entries evicted.
-#
-# A partial chunk (fewer tokens than the chunk length: always a chain's last) records the entries ending
-# on it in the set `u:<id>`. When a new chunk with the same predecessor extends its tokens (the next
-# turn of a conversation), it is *absorbed*: those entries' chains end on the new chunk instead (it holds
-# the same KV for those positions; a lookup uses the part it needs) and it is freed.
-_STORE_SCRIPT = """
-local entry, lru, refs, info, bytes, clock = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local prefix, member, head = ARGV[1], ARGV[2], ARGV[3]
-local capacity, n, chunk_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local freed = {}
-local function release(id)
-  if redis.call('HINCRBY', refs, id, -1) <= 0 then
-    redis.call('HDEL', refs, id)
-    local meta = redis.call('HGET', info, id)
-    if meta then
-      local size, prev = string.match(meta, '^(%d+):(%x*)$')
-      prev = prev or ''
-      local tokens = redis.call('HGET', prefix .. 't:' .. prev, id)
-      if tokens then
-        for at = 4, #tokens, 4 do
-          local field = string.sub(tokens, 1, at)
-          if redis.call('HGET', prefix .. 'p:' .. prev, field) == id then
-            redis.call('HDEL', prefix .. 'p:' .. prev, field)
-          end
-        end
-      end
-      redis.call('HDEL', info, id)
-      redis.call('HDEL', prefix .. 't:' .. prev, id)
-      redis.call('DECRBY', bytes, tonumber(size or '0'))
-    end
-    freed[#freed + 1] = id
-  end
-end
-local function drop(m)
-  local key = prefix .. 'e:' .. m
-  local record = redis.call('HMGET', key, 'chain', 'size')
-  if record[1] then
-    local chain = record[1]
-    if #chain >= 32 then redis.call('SREM', prefix .. 'u:' .. string.sub(chain, -32), m) end
-    for at = 1, #chain, 32 do release(string.sub(chain, at, at + 31)) end
-    redis.call('DECRBY', bytes, tonumber(record[2] or '0'))
-  end
-  redis.call('DEL', key)
-  redis.call('ZREM', lru, m)
-end
-local ids, new = {}, {}
-for i = 0, n - 1 do
-  local id, size, prev, tokens = ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i], ARGV[10 + 4 * i]
-  if redis.call('HINCRBY', refs, id, 1) == 1 then
-    new[#new + 1] = {id, prev, tokens}
-    redis.call('HSET', info, id, size .. ':' .. prev)
-    redis.call('HSET', prefix .. 't:' .. prev, id, tokens)
-    -- Every prefix of its tokens names it (unless another chunk holding that prefix already does):
-    -- a lookup finds the child sharing most of its remaining tokens in one HMGET, whatever the
-    -- number of children.
-    for at = 4, #tokens, 4 do
-      redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id)
-    end
-    redis.call('INCRBY', bytes, tonumber(size))
-  end
-  ids[#ids + 1] = id
-end
-drop(member)
-redis.call('HSET', entry, 'head', head, 'chain', table.concat(ids), 'size', #head)
-redis.call('INCRBY', bytes, #head)
-redis.call('ZADD', lru, redis.call('INCR', clock), member)
-local function partial(id, prev)
-  local tokens = redis.call('HGET', prefix .. 't:' .. prev, id)
-  return tokens and #tokens < 4 * chunk_tokens
-end
-local last = ids[#ids]
-if last and partial(last, n > 1 and ids[n - 1] or '') then redis.call('SADD', prefix .. 'u:' .. last, member) end
-for _, chunk in ipairs(new) do
-  local id, prev, tokens = chunk[1], chunk[2], chunk[3]
-  local extends = partial(id, prev)
-  local absorbed = false
-  for at = 4, #tokens - 4, 4 do
-    local shorter = redis.call('HGET', prefix .. 'p:' .. prev, string.sub(tokens, 1, at))
-    if shorter and shorter ~= id and #(redis.call('HGET', prefix .. 't:' .. prev, shorter) or '') == at then
-      for _, m in ipairs(redis.call('SMEMBERS', prefix .. 'u:' .. shorter)) do
-        local key = prefix .. 'e:' .. m
-        local chain = redis.call('HGET', key, 'chain')
-        if chain and string.sub(chain, -32) == shorter then
-          redis.call('HSET', key, 'chain', string.sub(chain, 1, -33) .. id)
-          redis.call('HINCRBY', refs, id, 1)
-          if extends then redis.call('SADD', prefix .. 'u:' .. id, m) end
-          release(shorter)
-        end
-      end
-      redis.call('DEL', prefix .. 'u:' .. shorter)
-      absorbed = true
-    end
-  end
-  if absorbed then
-    for at = 4, #tokens, 4 do redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id) end
-  end
-end
--- An entry larger than the whole capacity evicts nothing: it is dropped at once.
-local own = #head
-for _, id in ipairs(ids) do
-  local size = string.match(redis.call('HGET', info, id) or '', '^(%d+):')
-  own = own + tonumber(size or '0')
-end
-if own > capacity then
-  drop(member)
-  return {1, freed, 0}
-end
-local evicted = 0
-while tonumber(redis.call('GET', bytes) or '0') > capacity do
-  local oldest = redis.call('ZRANGE', lru, 0, 0)[1]
-  if not oldest or oldest == member then break end
-  drop(oldest)
-  evicted = evicted + 1
-end
-local over = 0
-if tonumber(redis.call('GET', bytes) or '0') > capacity then
-  drop(member)
-  over = 1
-end
-return {over, freed, evicted}
-"""
-
-
-# Makes an entry the most recently used, if it still exists. KEYS: lru, clock. ARGV: entry member.
-_TOUCH_SCRIPT = """
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then
-  redis.call('ZADD', KEYS[1], redis.call('INCR', KEYS[2]), ARGV[1])
-end
-return 0
-"""
-
+_LONGEST_CHUNK = 4096  # tokens: the bound on chunk_tokens
+_MAX_ANNOUNCED = 4096  # this process's pending announcements kept before the expired are dropped
+_POLL_SECONDS = 0.005  # how often a lookup waiting for an announced store asks again
 
 class LlamaRedisCache(BaseLlamaCache):
     """A prompt cache in Redis, shared by every process and machine that reaches the server.
@@ -271,6 +127,8 @@ class LlamaRedisCache(BaseLlamaCache):
         cluster: use redis-py's cluster client (also chosen by a URL naming several nodes).
         verify: check each chunk's checksum when read (default).
         client: an existing ``redis.Redis`` or ``redis.cluster.RedisCluster`` to use instead of ``url``.
+        in_flight_seconds: how long an announced store's markers live, and so the longest a lookup
+            waits for one (:meth:`announce`; 0: lookups never wait).
 
     Raises:
         TypeError, ValueError: a bad argument (nothing is contacted before the first call).
@@ -287,8 +145,12 @@ class LlamaRedisCache(BaseLlamaCache):
         cluster: bool = False,
         verify: bool = True,
         client: Any = None,
+        in_flight_seconds: float = 2.0,
     ) -> None:
         super().__init__(capacity_bytes)
+        if (isinstance(in_flight_seconds, bool) or not isinstance(in_flight_seconds, (int, float))
+                or not math.isfinite(in_flight_seconds) or in_flight_seconds < 0):
+            raise ValueError(f"in_flight_seconds must be a finite number >= 0, got {in_flight_seconds!r}")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be a finite positive number of seconds, got {timeout!r}")
         if chunk_tokens is not None and (
@@ -304,6 +166,7 @@ class LlamaRedisCache(BaseLlamaCache):
         self.timeout = float(timeout)
         self.chunk_tokens = chunk_tokens
         self.verify = bool(verify)
+        self.in_flight_seconds = float(in_flight_seconds)
         self._fingerprint = fingerprint
         self._cluster = bool(cluster)
         self._connected: Any = client  # built on first use: a cluster client contacts its nodes at once
@@ -312,10 +175,13 @@ class LlamaRedisCache(BaseLlamaCache):
         self._writes = self._store_errors = self._round_trips = 0
         self.errors = 0
         """Calls that failed (Redis unreachable, slow, refusing, out of memory, damaged values)."""
+        self.waits = 0
+        """Lookups that waited for an announced store (:meth:`announce`)."""
         self._failing: str | None = None  # the kind of failure logged for the current outage
         self._node_lost = False  # a cluster node failed the last fetch while others answered
         self._unstorable_logged = False
         self._layouts: dict[str, tuple[KVLayout, int, int]] = {}  # ns -> (layout, chunk_tokens, seed)
+        self._announced: dict[str, float] = {}  # marker key -> when this process's announcement expires
 
     # ------------------------------------------------------------------------------ namespaces
 
@@ -340,12 +206,12 @@ class LlamaRedisCache(BaseLlamaCache):
         if self._fingerprint is None:
             return 0
         fingerprint = self._fingerprint
-        return _as_count(self._call("size", lambda: self._client.get(_meta_key(fingerprint, "bytes"))))
+        return _as_count(self._call("size", lambda: self._client.get(redis_keys.meta_key(fingerprint, "bytes"))))
 
     def __len__(self) -> int:
         if self._fingerprint is None:
             return 0
-        count = self._call("len", lambda: self._client.zcard(_meta_key(self._fingerprint, "lru")))
+        count = self._call("len", lambda: self._client.zcard(redis_keys.meta_key(self._fingerprint, "lru")))
         return int(count) if isinstance(count, int) else 0
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
@@ -399,7 +265,10 @@ class LlamaRedisCache(BaseLlamaCache):
                 self._store_errors += 1
             logger.warning("redis cache: the state does not hold the tokens of its key; not stored")
             return
-        self._store(value)
+        try:
+            self._store(value)
+        finally:
+            self._landed(value.fingerprint, held)
 
     def touch(self, keys: Sequence[Sequence[int]], *, namespace: str | None = None) -> None:
         """Make the entries stored under exactly ``keys`` (in ``namespace``, else the bound namespace) the
@@ -410,13 +279,70 @@ class LlamaRedisCache(BaseLlamaCache):
             TypeError, ValueError: a key is not a sequence of token ids.
         """
         fingerprint = namespace or self._fingerprint
-        members = [_digest(as_token_array(key)).hex() for key in keys]
+        members = [redis_keys.digest(as_token_array(key)).hex() for key in keys]
         if fingerprint is None or not members:
             return
-        lru, clock = _meta_key(fingerprint, "lru"), _meta_key(fingerprint, "clock")
+        lru, clock = redis_keys.meta_key(fingerprint, "lru"), redis_keys.meta_key(fingerprint, "clock")
         self._call("touch", lambda: pipelined(self._client, [
-            (lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
+            (lru, ("EVAL", TOUCH_SCRIPT, 2, lru, clock, member)) for member in members
         ]))
+
+    def announce(self, key: Sequence[int], *, namespace: str | None = None) -> None:
+        """Say that the state of ``key`` (in ``namespace``, else the bound one) is about to be stored.
+
+        Sets one short-lived marker per chunk of ``key`` (the chunk's tokens under its predecessor's
+        id, living ``in_flight_seconds``), in one round trip. Until the store lands (its script
+        deletes them) or they expire, a lookup or ``match_length`` in any process that would find a
+        longer prefix once it lands waits for it, polling, for at most ``in_flight_seconds``: a
+        writer may answer its caller first and store afterwards (write-behind,
+        :class:`~llama_cache.caches.tiered.TieredCache` with ``write_through``) while the next request
+        on another instance still finds the state. A marker whose writer died expires and the lookup
+        proceeds without it. Lookups in this process do not wait for its own announced stores (a
+        faster tier in front, or the caller, holds those states). Two writers announcing different chunks after the same one at once keep
+        the last marker (the other's readers do not wait: a shorter hit). A namespace this process
+        has neither looked up nor stored in costs one more round trip (its chunk length).
+        Never raises for Redis failures (counted in ``errors``).
+
+        Raises:
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        tokens = as_token_array(key)
+        fingerprint = namespace or self._fingerprint
+        if fingerprint is None or not len(tokens) or len(tokens) > _MAX_TOKENS or self.in_flight_seconds <= 0:
+            return
+        known = self._layouts.get(fingerprint)
+        if known is None and self.chunk_tokens is None:
+            record = self._call("announce", lambda: self._client.hmget(redis_keys.meta_key(fingerprint, "meta"),
+                                                                       ["layout", "chunk_tokens", "seed"]))
+            known = self._namespace_info(record) if record is not None else None
+            if known is None:
+                return  # no namespace yet (or unreachable): nothing another process could find
+            self._layouts[fingerprint] = known
+        chunk_tokens = self.chunk_tokens or (known[1] if known is not None else 0)
+        lifetime = max(1, round(1000 * self.in_flight_seconds))
+        commands: list[tuple[Any, tuple[Any, ...]]] = []
+        for piece in pieces(fingerprint, tokens, chunk_tokens):
+            marker = redis_keys.marker_key(fingerprint, piece.prev)
+            commands.append((marker, ("SET", marker, piece.tokens.astype("<i4").tobytes(), "PX", lifetime)))
+        expires = time.monotonic() + self.in_flight_seconds
+        with self._lock:
+            if len(self._announced) > _MAX_ANNOUNCED:  # announcements whose store never came
+                now = time.monotonic()
+                self._announced = {marker: until for marker, until in self._announced.items() if until > now}
+            for marker, _ in commands:
+                self._announced[marker] = expires
+        self._call("announce", lambda: pipelined(self._client, commands))
+
+    def _landed(self, fingerprint: str, tokens: npt.NDArray[np.int32]) -> None:
+        """Forget this process's announcements of the chunks of ``tokens`` (its store is done)."""
+        with self._lock:
+            if not self._announced:
+                return
+            size = self.chunk_tokens or (self._layouts[fingerprint][1] if fingerprint in self._layouts else 0)
+            if not size:
+                return
+            for piece in pieces(fingerprint, np.asarray(tokens, dtype=np.int32), size):
+                self._announced.pop(redis_keys.marker_key(fingerprint, piece.prev), None)
 
     def stats(self) -> CacheStats:
         """This instance's counters; the namespace's entries and bytes (one round trip, counted)."""
@@ -425,8 +351,8 @@ class LlamaRedisCache(BaseLlamaCache):
         if fingerprint is not None:
             def run() -> list[Any]:
                 pipe = self._client.pipeline(transaction=False)
-                pipe.zcard(_meta_key(fingerprint, "lru"))
-                pipe.get(_meta_key(fingerprint, "bytes"))
+                pipe.zcard(redis_keys.meta_key(fingerprint, "lru"))
+                pipe.get(redis_keys.meta_key(fingerprint, "bytes"))
                 return pipe.execute()
 
             reply = self._call("stats", run)
@@ -443,17 +369,17 @@ class LlamaRedisCache(BaseLlamaCache):
         """Remove every entry and chunk of the bound namespace (others are untouched)."""
         if self._fingerprint is None:
             return
-        ns = _ns(self._fingerprint)
+        ns = redis_keys.ns(self._fingerprint)
         pattern = f"llc:{{{ns}}}:*"
 
         def run() -> None:
-            chunks = [key for key, _ in self._client.hscan_iter(_meta_key(self._fingerprint, "refs"))]
+            chunks = [key for key, _ in self._client.hscan_iter(redis_keys.meta_key(self._fingerprint, "refs"))]
             keys = list(self._client.scan_iter(match=pattern, count=1000))
             pipe = self._client.pipeline(transaction=False)
             for key in keys:
                 pipe.delete(key)
             for ident in chunks:
-                pipe.delete(b"llc:c:" + ident)
+                pipe.delete(redis_keys.CHUNK_KEY_PREFIX + ident)
             pipe.execute()
 
         self._call("clear", run)
@@ -470,44 +396,69 @@ class LlamaRedisCache(BaseLlamaCache):
     # -------------------------------------------------------------------------------- lookups
 
     def _find(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> _Plan | None:
-        """The longest prefix of ``query`` the namespace's metadata knows chunks for.
+        """The longest prefix of ``query`` the namespace's metadata knows chunks for, once no announced
+        store that would make it longer is in flight (or after ``in_flight_seconds`` of waiting)."""
+        deadline = None
+        while True:
+            plan, in_flight = self._find_once(query, fingerprint)
+            if not in_flight or self.in_flight_seconds <= 0:
+                return plan
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.in_flight_seconds
+                with self._lock:
+                    self.waits += 1
+            elif now >= deadline:
+                logger.info("redis cache: an announced store did not land within %.1f s; answering without it",
+                            self.in_flight_seconds)
+                return plan
+            time.sleep(min(_POLL_SECONDS, max(0.0, deadline - now)))
+
+    def _find_once(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> tuple[_Plan | None, bool]:
+        """The longest prefix of ``query`` the namespace's metadata knows chunks for, and whether an
+        announced store of a longer one is in flight.
 
         One round trip asks, for each of the query's full chunks, whether its id is stored (one field
         of its predecessor's prefix index), and which child of the last one shares most of the
         query's remaining tokens (one field per remaining token); a second is needed only when the
         chain breaks earlier, to ask the same of the chunk where it breaks. The cost of each is the
-        query's length, whatever the number of entries or of children.
+        query's length, whatever the number of entries or of children. The first also reads the
+        in-flight markers (:meth:`announce`) of every chunk on the query's path, in one ``MGET``.
         """
         if fingerprint is None or not len(query):
-            return None
+            return None, False
         known = self._layouts.get(fingerprint)
         size = self.chunk_tokens or (known[1] if known is not None else None)
         ids = chain_ids(fingerprint, query, size) if size else []
         blob = np.ascontiguousarray(query, dtype="<i4").tobytes()
 
-        meta, entry = _meta_key(fingerprint, "meta"), _entry_key(fingerprint, query)
+        meta, entry = redis_keys.meta_key(fingerprint, "meta"), redis_keys.entry_key(fingerprint, query)
         commands: list[tuple[Any, tuple[Any, ...]]] = [
             (meta, ("HMGET", meta, "layout", "chunk_tokens", "seed")), (entry, ("HMGET", entry, "head", "chain")),
         ]
         prev = b""
         for k, ident in enumerate(ids):
-            field = _prefixes_key(fingerprint, prev)
+            field = redis_keys.prefixes_key(fingerprint, prev)
             commands.append((field, ("HGET", field, blob[4 * k * size : 4 * (k + 1) * size])))
             prev = ident
         commands += _ask_children(fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
+        markers = [redis_keys.marker_key(fingerprint, prev) for prev in [b"", *ids]]
+        commands.append((markers[0], ("MGET", *markers)))
         reply = self._call("lookup", lambda: pipelined(self._client, commands))
         if reply is None:
-            return None
+            return None, False
         meta, exact, *found = reply
+        in_flight = found.pop()
         info = self._namespace_info(meta)
-        if info is None:
-            return None
+        if info is None:  # no namespace yet, though its first store may be in flight
+            first = in_flight[0] if isinstance(in_flight, list) and in_flight else None
+            return None, _extends(first, query, 0, 0, size or _LONGEST_CHUNK)
         self._layouts[fingerprint] = info
         layout, chunk_tokens, seed = info
         if size != chunk_tokens:
             # The first lookup of this process (the chain length was unknown), or the namespace was
             # recreated meanwhile (Redis restarted): once more with the recorded length.
-            return self._find(query, fingerprint) if size is None or self.chunk_tokens is None else None
+            return self._find_once(query, fingerprint) if size is None or self.chunk_tokens is None else (None, False)
         present = found[: len(ids)]
         unbroken = next((k for k, ident in enumerate(ids) if present[k] != ident.hex().encode()), len(ids))
         if unbroken == len(ids):
@@ -517,22 +468,28 @@ class LlamaRedisCache(BaseLlamaCache):
             rest = blob[4 * unbroken * chunk_tokens :]
             asked = _ask_children(fingerprint, prev, rest, chunk_tokens)
             children = self._call("lookup", lambda: pipelined(self._client, asked)[0])
-        return _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
+        plan = _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
+        marker = in_flight[unbroken] if isinstance(in_flight, list) and len(in_flight) > unbroken else None
+        if self._announced.get(markers[unbroken], 0.0) > time.monotonic():
+            # This process's own store: the faster tier it answered from holds that state already.
+            marker = None
+        return plan, _extends(marker, query, unbroken * chunk_tokens, plan.length, chunk_tokens)
 
     def _lookup(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> LlamaState | None:
         plan = self._find(query, fingerprint)
         if plan is None or plan.length == 0:
             return None
-        keys = [_chunk_key(ident) for ident, _, _ in plan.chunks]
+        keys = [redis_keys.chunk_key(ident) for ident, _, _ in plan.chunks]
 
         commands: list[tuple[Any, tuple[Any, ...]]] = [(key, ("GET", key)) for key in keys]
         if plan.head is not None:  # a hit on an entry stored under exactly the query refreshes it
-            lru, clock = (_meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
+            lru, clock = (redis_keys.meta_key(plan.fingerprint, name) for name in ("lru", "clock"))
             # A plain EVAL: redis-py refuses EVALSHA (a registered script) and its own eval() in a
             # cluster's pipelines, and a refused call here made every exact hit a miss.
-            commands.append((lru, ("EVAL", _TOUCH_SCRIPT, 2, lru, clock, _digest(query).hex())))
+            commands.append((lru, ("EVAL", TOUCH_SCRIPT, 2, lru, clock, redis_keys.digest(query).hex())))
 
-        replies = self._call("fetch", lambda: pipelined(self._client, commands, strict=False))
+        bound = frame_size(plan.layout, plan.chunk_tokens)
+        replies = self._call("fetch", lambda: redis_transfer.fetch(self._client, commands, bound))
         if replies is None:
             return None
         values = replies[: len(keys)]
@@ -540,11 +497,11 @@ class LlamaRedisCache(BaseLlamaCache):
         segments: list[KVSegment] = []
         covered = 0
         for (ident, prev, start), value in zip(plan.chunks, values):
-            if not isinstance(value, bytes):
+            if not isinstance(value, (bytes, memoryview)):
                 logger.info("redis cache: chunk %s is gone (evicted); a shorter hit", ident.hex())
                 break
             try:
-                tokens, segment = decode_chunk(value, namespace=plan.fingerprint, ident=ident, prev=prev, start=start,
+                tokens, segment = decode_frame(value, namespace=plan.fingerprint, ident=ident, prev=prev, start=start,
                                                layout=plan.layout, verify=self.verify)
             except CorruptStateError as error:
                 self._note_damage(ident, str(error))
@@ -606,7 +563,7 @@ class LlamaRedisCache(BaseLlamaCache):
         known = self._layouts.get(fingerprint)
         if known is None and self.chunk_tokens is None:
             # Chains must be cut as the namespace's are: read its record once (one round trip).
-            record = self._call("store", lambda: self._client.hmget(_meta_key(fingerprint, "meta"),
+            record = self._call("store", lambda: self._client.hmget(redis_keys.meta_key(fingerprint, "meta"),
                                                                     ["layout", "chunk_tokens", "seed"]), store=True)
             if record is None:
                 return  # Redis is unreachable: the store is skipped (counted once)
@@ -623,21 +580,25 @@ class LlamaRedisCache(BaseLlamaCache):
 
         layout_json = json.dumps(layout_to_json(layout), sort_keys=True)
 
-        meta, prefixes = _meta_key(fingerprint, "meta"), _prefixes_key(fingerprint, chain[-1].prev)
+        meta, prefixes = redis_keys.meta_key(fingerprint, "meta"), redis_keys.prefixes_key(fingerprint, chain[-1].prev)
         asked: list[tuple[Any, tuple[Any, ...]]] = [
             (meta, ("HSETNX", meta, "layout", layout_json)),
             (meta, ("HSETNX", meta, "chunk_tokens", chunk_tokens)),
             (meta, ("HSETNX", meta, "seed", int(state.seed))),
             # The values themselves: Redis may have evicted one that is still linked.
-            *((key, ("EXISTS", key)) for key in map(_chunk_key, (piece.id for piece in chain))),
+            *((key, ("EXISTS", key)) for key in map(redis_keys.chunk_key, (piece.id for piece in chain))),
             (prefixes, ("HGET", prefixes, chain[-1].tokens.astype("<i4").tobytes())),
-            (meta, ("HMGET", meta, "layout", "chunk_tokens")),
+            (meta, ("HMGET", meta, "layout", "chunk_tokens", "seed")),
         ]
         reply = self._call("store", lambda: pipelined(self._client, asked), store=True)
         if reply is None:
             return
         recorded = reply.pop()
-        if recorded != [layout_json.encode(), str(chunk_tokens).encode()]:
+        if known is None and isinstance(recorded, list):
+            info = self._namespace_info(recorded)  # the record this store made, or found
+            if info is not None:
+                self._layouts[fingerprint] = info
+        if not isinstance(recorded, list) or recorded[:2] != [layout_json.encode(), str(chunk_tokens).encode()]:
             # One fingerprint has one KV layout; chunks of another length would never be found.
             with self._lock:
                 self._store_errors += 1
@@ -660,8 +621,8 @@ class LlamaRedisCache(BaseLlamaCache):
         by_id = {piece.id: piece for piece in chain}
 
         def write() -> Any:
-            sizes = _set_chunks(self._client, fingerprint, layout, state.segments, new) if new else {}
-            args: list[Any] = [_prefix(fingerprint), _digest(tokens).hex(), head, self.capacity_bytes, len(ids),
+            sizes = redis_transfer.set_chunks(self._client, fingerprint, layout, state.segments, new) if new else {}
+            args: list[Any] = [redis_keys.prefix(fingerprint), redis_keys.digest(tokens).hex(), head, self.capacity_bytes, len(ids),
                                chunk_tokens]
             for ident in ids:
                 piece = by_id.get(ident)
@@ -669,9 +630,9 @@ class LlamaRedisCache(BaseLlamaCache):
                     args += [ident.hex(), sizes.get(ident, 0), piece.prev.hex(), piece.tokens.astype("<i4").tobytes()]
                 else:  # an existing longer chunk: already registered, its size already counted
                     args += [ident.hex(), 0, last.prev.hex(), b""]
-            keys = [_entry_key(fingerprint, tokens), *(_meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
+            keys = [redis_keys.entry_key(fingerprint, tokens), *(redis_keys.meta_key(fingerprint, name) for name in ("lru", "refs", "info", "bytes", "clock"))]
             if self._script is None:
-                self._script = self._client.register_script(_STORE_SCRIPT)
+                self._script = self._client.register_script(STORE_SCRIPT)
             return self._script(keys=keys, args=args)
 
         result = self._call("store", write, store=True, trips=2 if new else 1)
@@ -679,7 +640,7 @@ class LlamaRedisCache(BaseLlamaCache):
             return
         over, freed, evicted = result
         if freed:
-            self._call("store", lambda: self._client.delete(*[b"llc:c:" + ident for ident in freed]), store=True)
+            self._call("store", lambda: self._client.delete(*[redis_keys.CHUNK_KEY_PREFIX + ident for ident in freed]), store=True)
         with self._lock:
             self._evictions += int(evicted)
             if int(over):
@@ -704,7 +665,7 @@ class LlamaRedisCache(BaseLlamaCache):
         fingerprint = self._fingerprint
         if fingerprint is None:
             return 0
-        result = self._call("sweep", lambda: _sweep(self._client, fingerprint, grace_seconds))
+        result = self._call("sweep", lambda: redis_sweep.sweep(self._client, fingerprint, grace_seconds))
         if result:
             logger.info("redis cache: sweep removed %d keys", result)
         return int(result or 0)
@@ -780,7 +741,7 @@ def _ask_children(fingerprint: str, prev: bytes, rest: bytes, size: int | None) 
     while the chunk length is unknown), as :func:`_pipelined` takes it."""
     if not size:
         return []
-    head, key = rest[: 4 * size], _prefixes_key(fingerprint, prev)
+    head, key = rest[: 4 * size], redis_keys.prefixes_key(fingerprint, prev)
     return [(key, ("HMGET", key, *([head[: 4 * n] for n in range(1, len(head) // 4 + 1)] or [b""])))]
 
 
@@ -819,114 +780,22 @@ def _walk(fingerprint: str, query: npt.NDArray[np.int32], ids: list[bytes], chil
     return _Plan(fingerprint, chunks, position, layout, chunk_tokens, head.seed if head is not None else seed, head)
 
 
-def _set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Sequence[KVSegment],
-                new: Sequence[Piece]) -> dict[bytes, int]:
-    """``SET`` the chunks ``new`` (their encoded size by id), in one round trip per node.
-
-    Each chunk is encoded into one buffer reused for the next, framed there as a RESP ``SET`` command
-    and written to its node's socket at once, in one write (redis-py's own packing copies every value
-    into a new bytes object first, and the chunks of a whole state would all be held at once); the
-    replies are read after the last. Memory: one chunk, whatever the state's size.
-
-    Raises:
-        redis.RedisError, redis.exceptions.RedisClusterException, OSError: a node failed (its
-            connection is dropped: replies may be left unread).
-    """
-    frame = np.empty(_RESP_ROOM + chunk_size(layout, max(piece.n_tokens for piece in new)) + _FRAME_SLACK, dtype=np.uint8)
-    sizes: dict[bytes, int] = {}
-    sent: dict[int, tuple[Any, Any, list[int]]] = {}  # pool id -> (pool, connection, [commands sent])
-    try:
-        for piece in new:
-            key = _chunk_key(piece.id)
-            pool = (client.get_redis_connection(client.get_node_from_key(key)) if isinstance(client, redis.cluster.RedisCluster)
-                    else client).connection_pool
-            if id(pool) not in sent:
-                sent[id(pool)] = (pool, pool.get_connection(), [0])
-            _, connection, count = sent[id(pool)]
-            # The value is encoded after room for the command's RESP header, which is then written
-            # right before it, and the closing CRLF after it: one buffer, one write per chunk.
-            size = encode_chunk(fingerprint, piece, layout, segments, into=frame[_RESP_ROOM:-2])[0].nbytes
-            command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size)
-            start, end = _RESP_ROOM - len(command), _RESP_ROOM + size
-            frame[start:_RESP_ROOM] = np.frombuffer(command, dtype=np.uint8)
-            frame[end : end + 2] = _CRLF
-            connection.send_packed_command([memoryview(frame)[start : end + 2]], check_health=False)
-            count[0] += 1
-            sizes[piece.id] = size
-        for _, connection, count in sent.values():
-            for _ in range(count[0]):
-                connection.read_response()
-    except BaseException:
-        for _, connection, _ in sent.values():
-            connection.disconnect()
-        raise
-    finally:
-        for pool, connection, _ in sent.values():
-            pool.release(connection)
-    return sizes
-
-
-def _sweep(client: Any, fingerprint: str, grace_seconds: float) -> int:
-    """The work of :meth:`LlamaRedisCache.sweep`; raises redis-py's errors."""
-    prefix = _prefix(fingerprint)
-    removed = 0
-    members = client.zrange(prefix + "lru", 0, -1)
-    linked: dict[bytes, int] = {}
-    total = 0
-    for member in members:
-        key = prefix + "e:" + member.decode()
-        chain, size = client.hmget(key, ["chain", "size"])
-        ids = [chain[at : at + 32] for at in range(0, len(chain), 32)] if isinstance(chain, bytes) else []
-        pipe = client.pipeline(transaction=False)
-        for ident in ids:
-            pipe.exists(b"llc:c:" + ident)
-        present = pipe.execute() if ids else []
-        if not ids or not all(present) or not isinstance(size, bytes) or not size.isdigit():
-            client.delete(key)
-            client.zrem(prefix + "lru", member)
-            removed += 1
-            continue
-        for ident in ids:
-            linked[ident] = linked.get(ident, 0) + 1
-        total += int(size)
-    info = client.hgetall(prefix + "info")
-    sizes: dict[bytes, int] = {}
-    for ident, meta in info.items():
-        size, _, prev = meta.partition(b":")
-        if ident not in linked:
-            parent = prev.decode(errors="replace")
-            tokens = client.hget(prefix + "t:" + parent, ident) or b""
-            for at in range(4, len(tokens) + 1, 4):
-                if client.hget(prefix + "p:" + parent, tokens[:at]) == ident:
-                    client.hdel(prefix + "p:" + parent, tokens[:at])
-            client.hdel(prefix + "info", ident)
-            client.hdel(prefix + "t:" + parent, ident)
-            client.delete(prefix + "u:" + ident.decode(errors="replace"))
-            removed += client.delete(b"llc:c:" + ident)
-        elif size.isdigit():
-            sizes[ident] = int(size)
-    client.delete(prefix + "refs")
-    if linked:
-        client.hset(prefix + "refs", mapping={ident: count for ident, count in linked.items()})
-    client.set(prefix + "bytes", total + sum(sizes.values()))
-    # Chunk keys of this namespace that no registration names (a client died before its script ran).
-    for key in client.scan_iter(match=b"llc:c:*", count=1000):
-        ident = key[len(b"llc:c:") :]
-        if ident in linked:
-            continue
-        header = client.getrange(key, 0, 4095)
-        if f'"namespace": {json.dumps(fingerprint)}'.encode() not in header:
-            continue
-        idle = client.object("idletime", key)
-        if isinstance(idle, int) and idle >= grace_seconds:
-            removed += client.delete(key)
-    return removed
-
-
 @functools.lru_cache(maxsize=64)
 def _parse_layout(text: bytes) -> KVLayout:
     """A namespace record's layout, parsed and validated once per distinct text."""
     return layout_from_json(json.loads(text))
+
+
+def _extends(marker: Any, query: npt.NDArray[np.int32], start: int, length: int, chunk_tokens: int) -> bool:
+    """Whether an in-flight marker (the tokens of a chunk being stored at ``start``; untrusted) shares
+    more of ``query`` than the ``length`` tokens already found."""
+    if not isinstance(marker, bytes) or not 0 < len(marker) <= 4 * chunk_tokens or len(marker) % 4:
+        return False
+    announced = np.frombuffer(marker, dtype="<i4")
+    ours = query[start : start + len(announced)]
+    differ = np.flatnonzero(announced[: len(ours)] != ours)
+    shared = int(differ[0]) if len(differ) else len(ours)
+    return start + shared > length
 
 
 def _as_count(value: Any) -> int:
@@ -935,35 +804,3 @@ def _as_count(value: Any) -> int:
         return max(0, int(value))
     except (TypeError, ValueError):
         return 0
-
-
-def _ns(fingerprint: str) -> str:
-    return hashlib.blake2b(fingerprint.encode(), digest_size=8).hexdigest()
-
-
-def _prefix(fingerprint: str) -> str:
-    return f"llc:{{{_ns(fingerprint)}}}:"
-
-
-def _meta_key(fingerprint: str, name: str) -> str:
-    return _prefix(fingerprint) + name
-
-
-def _chunk_key(ident: bytes) -> bytes:
-    return b"llc:c:" + ident.hex().encode()
-
-
-def _prefixes_key(fingerprint: str, prev: bytes) -> str:
-    return _prefix(fingerprint) + "p:" + prev.hex()
-
-
-def _children_key(fingerprint: str, prev: bytes) -> str:
-    return _prefix(fingerprint) + "t:" + prev.hex()
-
-
-def _digest(tokens: npt.NDArray[np.int32]) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(tokens, dtype="<i4").tobytes(), digest_size=16).digest()
-
-
-def _entry_key(fingerprint: str, tokens: npt.NDArray[np.int32]) -> str:
-    return _prefix(fingerprint) + "e:" + _digest(tokens).hex()

@@ -24,7 +24,9 @@ further hits are not noted until the writer took them; the batch takes one slot 
 state's.
 
 **Stores.** ``cache[key] = state`` stores in tier 0 in the caller's thread and queues the state for the
-slower tiers (or, with ``write_through``, stores it in every tier before returning), written in order by one background thread per cache (``llama-cache-tier-writer``,
+slower tiers (or, with ``write_through``, stores it in every tier before returning, but for tiers that
+take an announcement of the store, see :meth:`TieredCache.announce`), written in order by one background
+thread per cache (``llama-cache-tier-writer``,
 started on demand, gone after five idle seconds). The queue holds ``max_pending`` states; a store
 finding it full drops the *oldest* queued one (``stats().dropped``): in a conversation the newest state
 holds the earlier ones' tokens, so it is the one worth keeping, and the caller never waits for a slow
@@ -105,11 +107,13 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         tiers: the caches, fastest first: distinct :class:`~llama_cache.caches.base.BaseLlamaCache`
             instances (prompt caches, not checkpoint caches).
         max_pending: states queued for the slower tiers before the oldest is dropped (default 64).
-        write_through: a store reaches every tier before it returns, in the caller's thread, instead
-            of the slower tiers through the background writer: the caller waits for the slowest tier,
-            and whoever looks the key up next, in this process or another sharing a tier, finds it
-            (how ``llama-cache serve`` stores in a Redis tier shared by several instances: the
-            conversation's next request may land on another one at once). Promotions stay behind.
+        write_through: whoever looks a stored key up next, in this process or another sharing a
+            tier, finds it (how ``llama-cache serve`` stores in a Redis tier shared by several
+            instances: the conversation's next request may land on another one at once). A tier that
+            takes announcements (``announce``: the Redis tier) is told of the store in the caller's
+            thread (one round trip) and written by the background writer, its lookups elsewhere
+            waiting for it meanwhile; any other tier is stored in the caller's thread before the
+            store returns. Promotions stay behind.
 
     Raises:
         TypeError: ``tiers`` is not a sequence of prompt caches, or ``max_pending`` is not an int.
@@ -288,10 +292,30 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         self._store_in(0, tokens, value)
         if len(self.tiers) > 1:
             if self.write_through:
+                namespace = getattr(value, "fingerprint", None)
                 for index in range(1, len(self.tiers)):
-                    self._store_in(index, tokens, value)
+                    if callable(announce := getattr(self.tiers[index], "announce", None)):
+                        # Announced now, stored behind: whoever looks it up meanwhile waits for it.
+                        call = functools.partial(announce, namespace=namespace if isinstance(namespace, str) else None)
+                        self._guard(index, "announce", call, None, tokens)
+                        self._enqueue(tokens, value, index, index + 1)
+                    else:
+                        self._store_in(index, tokens, value)
             else:
                 self._enqueue(tokens, value, 1, len(self.tiers))
+
+    def announce(self, key: Sequence[int], *, namespace: str | None = None) -> None:
+        """Pass an announcement of ``key``'s coming store to the tiers that take one (``announce``: the
+        Redis tier, whose lookups in other processes then wait for the store); one call per such tier,
+        in the caller's thread. Never raises for a failing tier.
+
+        Raises:
+            TypeError, ValueError: ``key`` is not a sequence of token ids.
+        """
+        tokens = as_token_array(key)
+        for index, tier in enumerate(self.tiers):
+            if callable(announce := getattr(tier, "announce", None)):
+                self._guard(index, "announce", functools.partial(announce, namespace=namespace), None, tokens)
 
     def _store_in(self, index: int, key: TokenArray, value: Any) -> None:
         self._guard(index, "store", self.tiers[index].__setitem__, None, key, value)

@@ -19,6 +19,7 @@ scheduler's thread).
 
 from __future__ import annotations
 
+import logging
 import queue
 import time
 import uuid
@@ -35,6 +36,8 @@ from llama_cache.state.llama_state import LlamaState
 from llama_cache.tokens import as_token_array, check_vocabulary
 
 __all__ = ["Completions"]
+
+logger = logging.getLogger(__name__)
 
 _END = object()
 
@@ -202,8 +205,22 @@ class Completions:
             yield chunk(piece.decode("utf-8", "ignore"), None)
         reason = run.finish_reason(generation)
         if generation.finish_reason in ("stop", "length"):
+            self._announce(generation)
             yield chunk("", reason)
         self._finished(generation)
+
+    def _announce(self, generation: Generation) -> None:
+        """Tell a cache that takes announcements (a Redis tier) of the state about to be stored, before
+        the stream's last chunk: a lookup on another instance then waits for it (see
+        :meth:`llama_cache.TieredCache.announce`). Never raises."""
+        state = generation.state
+        announce = getattr(self.engine.cache, "announce", None)
+        if state is None or not callable(announce):
+            return
+        try:
+            announce(state.tokens, namespace=self.fingerprint)
+        except Exception as error:  # noqa: BLE001 - an announcement is an optimisation
+            logger.warning("could not announce a coming store: %s: %s", type(error).__name__, error)
 
     def _finished(self, generation: Generation) -> None:
         """After the generation's last token: raise its failure, or hand its state on."""

@@ -425,7 +425,9 @@ class _Server:
                 tokens).decode("utf-8", "replace")
         run = ChoiceRun(llama=None, samplings=samplings, start=start, chat=isinstance(parsed, ChatRequest),
                         fingerprint=self.service.system_fingerprint, cancelled=job.cancel.is_set,
-                        saved_before_last_chunk=self.service.write_through, echo=echo)
+                        # A cache taking announcements is told before the last chunk, and stores behind.
+                        saved_before_last_chunk=self.service.write_through
+                        and not callable(getattr(self.service.cache, "announce", None)), echo=echo)
         def cut_short(sequence: SequenceSampling) -> bool:
             return sequence.constraint is not None and sequence.constraint.error is not None
 

@@ -37,7 +37,9 @@ newer version than this code reads is refused (:class:`CacheDirectoryError`).
 **Write protocol** (diskcache's, see STYLE.md): the payload (or head and new chunks) goes to new,
 uniquely named files first (``O_EXCL``; ``fsync`` optional); then the metadata is committed in one
 ``BEGIN IMMEDIATE`` transaction that also deletes the rows of replaced and evicted entries and of the
-chunks they alone used; their files are unlinked only after ``COMMIT``. Should another process free a
+chunks they alone used; their files are unlinked only after ``COMMIT``. A whole-state store that
+replaces and evicts nothing costs six statements at most (:mod:`.writes`), the process's view
+taking the new entry in memory. Should another process free a
 chunk a store counted on before it commits, the store plans and writes again. A crash at any
 instant therefore leaves either the old index or the new one, both naming complete files; at worst an uncommitted file is left behind: an orphan, which the next
 :class:`LlamaDiskCache` opened on the directory removes once it is older than
@@ -68,7 +70,7 @@ cache (lookups then miss) but nothing more:
 
 - every row is validated before it is used (types, a key of whole int32 tokens, non-negative, a
   payload name matching ``ab/<32 hex>.llst`` exactly, sizes within what a state with that many tokens
-  can be: ``_STATE_BASE_BYTES + _STATE_BYTES_PER_TOKEN`` per token, at most ``_MAX_STATE_BYTES``);
+  can be: ``STATE_BASE_BYTES + STATE_BYTES_PER_TOKEN`` per token, at most ``MAX_STATE_BYTES``);
   a row that does not validate is ignored, logged once at WARNING, and deleted by ``check(fix=True)``;
 - payloads are opened relative to the data folder's descriptor, each component with ``O_NOFOLLOW``
   (a symbolic link anywhere below ``data/`` is never followed) and ``O_NONBLOCK`` (a FIFO never
@@ -121,11 +123,18 @@ Modules of the package (each states its own contract):
 - :mod:`.rows`: validation of untrusted index rows and the in-memory entry record;
 - :mod:`.chunkstore`: chunk rows, links (reference counts) and their SQL;
 - :mod:`.chunked`: writing a state as chunks and reading a chain back;
+- :mod:`.reads`: reading an entry back (a whole payload, or a chain through :mod:`.chunked`), checked against its row;
 - :mod:`.payloads`: payload files, opened and written safely, read or inflated;
 - :mod:`.connection`: opening the index without shared memory, damage, moving a damaged index aside;
 - :mod:`.locking`: the lock of the process's threads and of the directory's processes;
 - write-behind: :mod:`llama_cache.caches.write_behind` (shared with the tiered cache), exit and fork hooks: :mod:`llama_cache.caches.lifecycle`;
 - :mod:`.checker`: ``check()``, :class:`CheckReport`, ``storage()`` and the orphan sweep.
+
+Names without a leading underscore in these modules are the package's internal interface: what one
+module of the package uses of another (documented where defined); names with one are that module's
+alone. Imports go one way: :mod:`.store` uses neither :mod:`.chunked` nor :mod:`.reads` nor :mod:`.writes`,
+which take the store (the helpers that type their argument as a :class:`~.store.DiskStore` import it
+for type checking only).
 """
 
 from __future__ import annotations
@@ -136,7 +145,7 @@ from llama_cache.caches.disk.cache import UNBOUND_NAMESPACE, LlamaDiskCache
 from llama_cache.caches.disk.checker import CheckReport, StorageReport
 from llama_cache.caches.disk.payloads import DATA_DIR as DATA_DIR
 from llama_cache.caches.disk.rows import DiskEntry
-from llama_cache.caches.disk.schema import _ENTRY_COLUMNS as _ENTRY_COLUMNS
+from llama_cache.caches.disk.schema import ENTRY_COLUMNS as ENTRY_COLUMNS
 from llama_cache.caches.disk.schema import SCHEMA_VERSION as SCHEMA_VERSION
 from llama_cache.caches.disk.schema import INDEX_FILE, CacheDirectoryError
 

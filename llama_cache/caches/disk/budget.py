@@ -21,7 +21,10 @@ process reads them; a folder emptied by a removal is removed and its row dropped
 directory and ``check(fix=True)`` measure every folder again. New files go into at most
 :func:`shard_count` folders, about one per ``FILES_PER_FOLDER`` blocks of the budget, so folders take a
 small share of a small budget. Nothing here lists the directory on a store: a commit costs a
-``stat`` per folder it wrote into, two for the top folders and a few queries.
+``stat`` per folder it wrote into and one of the index, and (the store keeping the figures between
+commits while no other process commits: :class:`~.store.DiskStore`) writes a folder's row only when its
+size changed, measures the top folders only after a shard folder came or went, and, far from the
+budget, bounds the index's pages (:func:`growth_bound`) instead of counting them.
 
 What the budget cannot see: files written but not yet committed (a store in progress, another
 process's included, and the journal during a commit: the directory exceeds the budget by them until
@@ -41,8 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llama_cache.caches.disk import chunkstore
-from llama_cache.caches.disk.rows import _Entry, _is_int
-from llama_cache.caches.disk.schema import _SCHEMA, _delete_rows
+from llama_cache.caches.disk.rows import Entry, is_int
+from llama_cache.caches.disk.schema import SCHEMA, delete_rows
 
 if TYPE_CHECKING:
     from llama_cache.caches.disk.store import DiskStore
@@ -86,7 +89,7 @@ def empty_index_bytes() -> int:
     try:
         conn.execute(f"PRAGMA page_size = {_PAGE_SIZE}")
         conn.execute("PRAGMA auto_vacuum = INCREMENTAL")
-        for statement in _SCHEMA:
+        for statement in SCHEMA:
             conn.execute(statement)
         return int(conn.execute("PRAGMA page_count").fetchone()[0]) * _PAGE_SIZE
     finally:
@@ -105,20 +108,44 @@ def index_pages(conn: sqlite3.Connection) -> int:
 
 
 def index_bytes(conn: sqlite3.Connection, block: int, path: Path) -> int:
-    """Bytes of the index file at ``path``, as of the caller's transaction (pages it added included).
+    """Bytes of the index file at ``path``, as of the caller's transaction (pages it added included):
+    :func:`index_size` with the page size read too."""
+    return index_size(conn, block, path, int(conn.execute("PRAGMA page_size").fetchone()[0]))[1]
 
-    The pages in whole blocks, plus the blocks the file system spends on the file beyond its data as
-    the file is now (ext4 counts an extent block in ``st_blocks`` once a file is in more than four
-    pieces, which SQLite's writes out of order soon make). One ``stat``.
-    """
-    pages = conn.execute("PRAGMA page_count").fetchone()[0]
-    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+
+def index_size(conn: sqlite3.Connection, block: int, path: Path, page_size: int) -> tuple[int, int]:
+    """Pages of the index as of the caller's transaction, and the bytes of its file (:func:`index_bytes_of`).
+    One pragma and one ``stat``."""
+    pages = int(conn.execute("PRAGMA page_count").fetchone()[0])
+    return pages, index_bytes_of(pages, page_size, block, path)
+
+
+def index_bytes_of(pages: int, page_size: int, block: int, path: Path) -> int:
+    """Bytes an index of ``pages`` pages takes: the pages in whole blocks, plus the blocks the file
+    system spends on the file at ``path`` beyond its data as the file is now (ext4 counts an extent
+    block in ``st_blocks`` once a file is in more than four pieces, which SQLite's writes out of order
+    soon make). One ``stat``."""
     try:
         found = os.stat(path)
         extra = max(0, found.st_blocks * 512 - charge(found.st_size, block))
     except OSError:
         extra = 0
-    return charge(int(pages) * int(page_size), block) + extra
+    return charge(pages * page_size, block) + extra
+
+
+# A whole-state store writes into at most this many b-trees: entries and its two indexes, changes,
+# folders, meta and sqlite_sequence (chunked stores, which write more, count pages instead).
+_STORE_TREES = 7
+_TREE_DEPTH = 8  # more levels than an index of billions of rows has
+_POINTER_MAP_PAGES = 2  # auto-vacuum's pointer-map pages that new pages may need
+
+
+def growth_bound(key_bytes: int, page_size: int) -> int:
+    """The most pages a whole-state store's rows can add to the index: a key of ``key_bytes`` bytes in
+    overflow pages, and in each b-tree written a split at every level (two new pages each: SQLite's
+    balance makes at most one more sibling per level, the root one more level) and a new root."""
+    overflow = -(-key_bytes // (page_size - 4)) + 1  # 4 bytes of each overflow page hold its link
+    return overflow + _STORE_TREES * (2 * _TREE_DEPTH + 1) + _POINTER_MAP_PAGES
 
 
 _VALID_FOLDER = "name GLOB '[0-9a-f][0-9a-f]' AND typeof(bytes) = 'integer' AND bytes >= 0 AND bytes <= ?"
@@ -171,7 +198,16 @@ def folder_bytes(conn: sqlite3.Connection, *, named_only: bool = False) -> int:
     row = conn.execute(
         f"SELECT COALESCE(SUM(bytes), 0) FROM folders WHERE {_VALID_FOLDER}{named}", (_MAX_FOLDER_BYTES,)
     ).fetchone()
-    return int(row[0]) if row is not None and _is_int(row[0]) else 0
+    return int(row[0]) if row is not None and is_int(row[0]) else 0
+
+
+def read_folders(conn: sqlite3.Connection) -> dict[str, int]:
+    """The valid rows of the ``folders`` table (a folder name and a size within bounds): one query."""
+    return {
+        name: int(nbytes)
+        for name, nbytes in conn.execute(f"SELECT name, bytes FROM folders WHERE {_VALID_FOLDER}", (_MAX_FOLDER_BYTES,))
+        if isinstance(name, str) and is_int(nbytes)
+    }
 
 
 def record_folders(conn: sqlite3.Connection, sizes: Mapping[str, int], gone: Iterable[str] = ()) -> None:
@@ -242,8 +278,9 @@ def files_bytes(store: DiskStore, conn: sqlite3.Connection) -> int:
 
 
 def evict_to_fit(
-    store: DiskStore, conn: sqlite3.Connection, capacity: int, files: int, keep: Collection[int]
-) -> tuple[list[_Entry], list[tuple[str, int]], bool]:
+    store: DiskStore, conn: sqlite3.Connection, capacity: int, files: int, keep: Collection[int],
+    grown: int | None = None,
+) -> tuple[list[Entry], list[tuple[str, int]], bool]:
     """Delete least recently used entries until ``files`` (the charge of the files the transaction
     leaves, as the caller computed it) plus the index and the folders fit ``capacity``.
 
@@ -259,12 +296,16 @@ def evict_to_fit(
         The entries deleted, the chunks freed (``(file, size)``: unlink them after commit), and
         whether the total fits.
     """
-    fixed = top_bytes(store) + folder_bytes(conn)
-    victims: list[_Entry] = []
+    fixed = store.top_bytes() + sum(store.folder_sizes(conn).values())
+    if grown is not None:  # far from the budget, an upper bound of the index tells without counting pages
+        bound = store.index_bound(conn, grown)
+        if bound is not None and files + fixed + bound <= capacity:
+            return [], [], True
+    victims: list[Entry] = []
     freed: list[tuple[str, int]] = []
     lru = iter(list(store.view.lru))
     exhausted = False
-    while files + fixed + index_bytes(conn, store.block, store.db_path) > capacity:
+    while files + fixed + store.index_bytes(conn) > capacity:
         if reclaim_free_pages(conn):
             continue
         victim_id = next(lru, None)
@@ -277,7 +318,7 @@ def evict_to_fit(
         if victim_id in keep:
             continue
         entry = store.view.entries[victim_id]
-        gone, linked = _delete_rows(conn, [entry])
+        gone, linked = delete_rows(conn, [entry])
         released = chunkstore.release(conn, linked)
         victims += gone
         freed += released

@@ -26,21 +26,21 @@ import numpy.typing as npt
 
 from llama_cache.caches import lifecycle
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
-from llama_cache.caches.disk import budget, chunked, writes
-from llama_cache.caches.disk.checker import CheckReport, StorageReport, _check, _reclaim_orphans, _storage
-from llama_cache.caches.disk.payloads import _compress_level, _Unreadable
+from llama_cache.caches.disk import budget, checker, reads, writes
+from llama_cache.caches.disk.chunkstore import BrokenChain
+from llama_cache.caches.disk.checker import CheckReport, StorageReport
+from llama_cache.caches.disk.payloads import compress_level, Unreadable
 from llama_cache.caches.disk.rows import (
-    _MAX_KEY_TOKENS,
-    _MAX_NAMESPACE,
+    MAX_KEY_TOKENS,
+    MAX_NAMESPACE,
     DiskEntry,
-    _as_float,
-    _BadRow,
-    _check_fingerprint,
-    _check_model_info,
-    _is_int,
-    _model_info_from_row,
+    as_float,
+    BadRow,
+    check_fingerprint,
+    check_model_info,
+    is_int,
+    model_info_from_row,
 )
-from llama_cache.caches.disk.schema import _transaction
 from llama_cache.caches.disk.store import DiskStore
 from llama_cache.caches.write_behind import WriteBehindQueue
 from llama_cache.state.chunks import KIND_CHUNKED, MAX_CHUNK_FILE_TOKENS
@@ -162,12 +162,12 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         for name, flag in (("write_behind", write_behind), ("fsync", fsync), ("verify", verify)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        level = _compress_level(compress)
+        level = compress_level(compress)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
             raise TypeError(f"timeout must be a number of seconds, got {type(timeout).__name__}")
         if not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"timeout must be finite and positive, got {timeout!r}")
-        _check_fingerprint(fingerprint)
+        check_fingerprint(fingerprint)
         if chunk_tokens is not None:
             if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool):
                 raise TypeError(f"chunk_tokens must be an int or None, got {type(chunk_tokens).__name__}")
@@ -196,7 +196,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                                          thread_name="llama-cache-disk-writer")
         with self._lock:
             self._store.open()  # fail early on an unusable directory
-        _reclaim_orphans(self._store, ORPHAN_GRACE_SECONDS)
+        checker.reclaim_orphans(self._store, ORPHAN_GRACE_SECONDS)
         lifecycle.register(self, stage=lifecycle.BACK)
 
     @staticmethod
@@ -264,8 +264,8 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                 fingerprint = model_fingerprint(llm)
             if model_info is None:
                 model_info = model_description(llm)
-        _check_fingerprint(fingerprint)
-        info = _check_model_info(model_info) if model_info is not None else None
+        check_fingerprint(fingerprint)
+        info = check_model_info(model_info) if model_info is not None else None
         if info is not None and fingerprint is None:
             raise ValueError("model_info needs a fingerprint")
         with self._lock:
@@ -281,7 +281,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             row = conn.execute("SELECT info FROM models WHERE fingerprint = ?", (fingerprint,)).fetchone()
             if row is not None and row[0] == text:
                 return
-            with _transaction(conn):
+            with self._store.transaction() as conn:
                 conn.execute("INSERT OR REPLACE INTO models (fingerprint, info) VALUES (?, ?)", (fingerprint, text))
         except sqlite3.Error as error:
             logger.warning("disk cache: could not record the model of %s: %s", fingerprint, error)
@@ -300,8 +300,8 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             return out
         for rowid, fingerprint, info in rows:
             try:
-                out[fingerprint] = _model_info_from_row(fingerprint, info)
-            except _BadRow as problem:
+                out[fingerprint] = model_info_from_row(fingerprint, info)
+            except BadRow as problem:
                 self._store.log_bad_row("models", rowid, str(problem))
         return out
 
@@ -424,11 +424,11 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             entry = match.value
             upto = match.common if shared_only and entry.cut and match.common < entry.n_state else None
             try:
-                state = self._store.load(entry, np.asarray(match.key, dtype=np.int32), upto)
-            except _Unreadable as problem:
+                state = reads.load(self._store, entry, np.asarray(match.key, dtype=np.int32), upto)
+            except Unreadable as problem:
                 self._store.forget_unreadable(entry, problem)
                 continue
-            except chunked.BrokenChain as broken:
+            except BrokenChain as broken:
                 self._store.forget_broken_chunk(entry, broken)
                 continue
             with self._lock:
@@ -472,7 +472,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         if isinstance(value, LlamaState):
             kind = KIND_LLAMA_CACHE if value.layout is None or self.chunk_tokens == 0 else KIND_CHUNKED
             namespace = value.fingerprint
-            if not isinstance(namespace, str) or not 0 < len(namespace) <= _MAX_NAMESPACE:
+            if not isinstance(namespace, str) or not 0 < len(namespace) <= MAX_NAMESPACE:
                 raise ValueError("the state has no fingerprint")
         elif isinstance(value, llama_cpp.llama.LlamaState):
             kind = KIND_UPSTREAM
@@ -481,7 +481,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
                 namespace = own
             else:
                 namespace = self._namespace if self._namespace is not None else UNBOUND_NAMESPACE
-            if len(namespace) > _MAX_NAMESPACE:
+            if len(namespace) > MAX_NAMESPACE:
                 raise ValueError("fingerprint too long")
         else:
             raise TypeError("not a llama_cache or llama_cpp LlamaState")
@@ -494,7 +494,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         filed = filing_key(tokens, value)
         if len(held) < len(filed) or not np.array_equal(held[: len(filed)], filed):
             raise ValueError("the state does not hold the tokens of its key")
-        if len(held) > _MAX_KEY_TOKENS:
+        if len(held) > MAX_KEY_TOKENS:
             raise ValueError("the state holds too many tokens")
         return kind, namespace, np.array(filed, dtype=np.int32)
 
@@ -534,7 +534,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             out.append(
                 DiskEntry(
                     entry.id, entry.namespace, entry.n_key, entry.size, entry.raw_size, entry.codec, entry.file,
-                    _as_float(created), _as_float(accessed), hits if _is_int(hits) else 0,
+                    as_float(created), as_float(accessed), hits if is_int(hits) else 0,
                     _KIND_NAMES[entry.kind], entry.cut,
                 )
             )
@@ -601,7 +601,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             sqlite3.Error: the index is unavailable.
         """
         self._wait_for_writes()
-        return _storage(self._store)
+        return checker.storage(self._store)
 
     def check(self, fix: bool = False, *, deep: bool = False, grace_seconds: float = 60.0) -> CheckReport:
         """Reconcile the index with the payload files.
@@ -620,7 +620,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             A :class:`CheckReport` of what was found (and removed).
         """
         self._wait_for_writes()
-        return _check(self._store, fix, deep, grace_seconds)
+        return checker.check(self._store, fix, deep, grace_seconds)
 
     # ----------------------------------------------------------------------------------- writing
 

@@ -1,14 +1,14 @@
-"""Reconciling a disk cache's index with its payload files: :func:`_check` and the orphan sweep.
+"""Reconciling a disk cache's index with its payload files: :func:`check` and the orphan sweep.
 
-:func:`_check` backs :meth:`LlamaDiskCache.check <llama_cache.caches.disk.LlamaDiskCache.check>`: it
+:func:`check` backs :meth:`LlamaDiskCache.check <llama_cache.caches.disk.LlamaDiskCache.check>`: it
 lists malformed rows, orphan files (named by no row), rows whose file is missing, is not a regular file
 or has another length than recorded, and (``deep``) rows whose payload does not decode; for chunks,
 chunks no entry links (leaked) and entries linking a chunk that is not stored or whose file is bad. It
 returns a :class:`CheckReport`, with what the directory takes as ``du`` counts it next to what the
 byte budget counts (:mod:`.budget`). With ``fix`` it deletes the bad entries, leaked chunks and
 malformed rows through the change log (so other processes follow), unlinks orphans older than the
-grace period, removes empty shard folders and measures the folders' sizes again. :func:`_storage`
-counts unique and logical bytes. :func:`_reclaim_orphans` is the sweep a cache runs when it opens a
+grace period, removes empty shard folders and measures the folders' sizes again. :func:`storage`
+counts unique and logical bytes. :func:`reclaim_orphans` is the sweep a cache runs when it opens a
 directory (orphans, empty folders, the folders' sizes). They work through the cache's
 :class:`~.store.DiskStore` (its lock, connection and in-memory view), and never raise for what the
 directory holds.
@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from llama_cache.caches.disk import budget, chunkstore
-from llama_cache.caches.disk.chunked import BrokenChain
-from llama_cache.caches.disk.payloads import _Unreadable
-from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int, _model_info_from_row
-from llama_cache.caches.disk.schema import _DELETE, _ROW, _transaction
+from llama_cache.caches.disk import reads
+from llama_cache.caches.disk.chunkstore import BrokenChain
+from llama_cache.caches.disk.payloads import Unreadable
+from llama_cache.caches.disk.rows import BadRow, Entry, entry_from_row, is_int, model_info_from_row
+from llama_cache.caches.disk.schema import DELETE, ENTRY_ROW
 
 if TYPE_CHECKING:
     from llama_cache.caches.disk.store import DiskStore
@@ -122,7 +123,7 @@ class StorageReport:
         return self.logical_bytes / self.unique_bytes if self.unique_bytes else 1.0
 
 
-def _storage(store: DiskStore) -> StorageReport:
+def storage(store: DiskStore) -> StorageReport:
     """What :meth:`LlamaDiskCache.storage` does (after the façade's pending writes); a function of the store."""
     with store.lock:
         store.sync()
@@ -135,12 +136,12 @@ def _storage(store: DiskStore) -> StorageReport:
         entry_bytes = store.view.bytes
         unique = entry_bytes + store.chunk_bytes
     return StorageReport(
-        len(store.view.entries), int(chunks) if _is_int(chunks) else 0, unique,
-        entry_bytes + (int(linked) if _is_int(linked) else 0),
+        len(store.view.entries), int(chunks) if is_int(chunks) else 0, unique,
+        entry_bytes + (int(linked) if is_int(linked) else 0),
     )
 
 
-def _check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> CheckReport:
+def check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> CheckReport:
     """What :meth:`LlamaDiskCache.check` does (see there; after the façade's pending writes); a function of
     the store."""
     if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, (int, float)) or math.isnan(grace_seconds):
@@ -149,36 +150,36 @@ def _check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> Che
         with store.lock:
             conn = store.connection()
             store.sync_or_log()
-            raw_rows = conn.execute(f"SELECT {_ROW} FROM entries").fetchall()
+            raw_rows = conn.execute(f"SELECT {ENTRY_ROW} FROM entries").fetchall()
             model_rows = conn.execute("SELECT rowid, fingerprint, info FROM models").fetchall()
-            chunk_rows = conn.execute(f"SELECT {chunkstore._CHUNK_COLUMNS} FROM chunks").fetchall()
+            chunk_rows = conn.execute(f"SELECT {chunkstore.CHUNK_COLUMNS} FROM chunks").fetchall()
             links = conn.execute("SELECT entry_id, chunk FROM links").fetchall()
             index_ok = conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
     except sqlite3.Error as error:
         logger.warning("check: index unavailable: %s", error)
         return CheckReport(0, 0, 0, 0, (), (), (), (), False)
-    rows: list[_Entry] = []
+    rows: list[Entry] = []
     malformed: list[tuple[str, Any, str]] = []
     named: set[Any] = set()
     for row in raw_rows:
         named.add(row[7])
         try:
-            rows.append(_entry_from_row(row)[0])
-        except _BadRow as problem:
+            rows.append(entry_from_row(row)[0])
+        except BadRow as problem:
             malformed.append(("entries", row[0], str(problem)))
     chunks: dict[bytes, chunkstore.ChunkRow] = {}
     for row in chunk_rows:
         named.add(row[5])
         try:
             chunk = chunkstore.chunk_from_row(row)
-        except _BadRow as problem:
+        except BadRow as problem:
             malformed.append(("chunks", row[0], str(problem)))
             continue
         chunks[chunk.id] = chunk
     for rowid, fingerprint, info in model_rows:
         try:
-            _model_info_from_row(fingerprint, info)
-        except _BadRow as problem:
+            model_info_from_row(fingerprint, info)
+        except BadRow as problem:
             malformed.append(("models", rowid, str(problem)))
     # Rows are read before the directory is listed: a file committed in between is then an
     # orphan younger than the grace period, never a "missing" file of a good entry.
@@ -198,8 +199,8 @@ def _check(store: DiskStore, fix: bool, deep: bool, grace_seconds: float) -> Che
                 live = store.view.entries.get(entry.id)
             if live is not None:
                 try:
-                    store.load(live, None)
-                except _Unreadable:
+                    reads.load(store, live, None)
+                except Unreadable:
                     corrupt.append((entry.id, entry.file))
                 except BrokenChain as problem:
                     broken.append((entry.id, f"entry {entry.id}: {problem}"))
@@ -284,8 +285,7 @@ def _release_leaked(store: DiskStore, leaked: list[bytes]) -> None:
     if not leaked:
         return
     try:
-        conn = store.connection()
-        with _transaction(conn):
+        with store.transaction() as conn:
             freed = chunkstore.release(conn, leaked)
     except sqlite3.Error as error:
         logger.warning("check: could not free leaked chunks: %s", error)
@@ -300,12 +300,11 @@ def _delete_malformed(store: DiskStore, malformed: list[tuple[str, Any, str]]) -
         return 0
     removed = 0
     try:
-        conn = store.connection()
-        with _transaction(conn):
+        with store.transaction() as conn:
             for table, rowid, _ in malformed:
                 if table == "entries":
                     conn.execute(
-                        "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?", (_DELETE, rowid)
+                        "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?", (DELETE, rowid)
                     )
                     removed += conn.execute("DELETE FROM entries WHERE id = ?", (rowid,)).rowcount
                     conn.execute("DELETE FROM links WHERE entry_id = ?", (rowid,))
@@ -320,7 +319,7 @@ def _delete_malformed(store: DiskStore, malformed: list[tuple[str, Any, str]]) -
     return removed
 
 
-def _reclaim_orphans(store: DiskStore, grace_seconds: float) -> None:
+def reclaim_orphans(store: DiskStore, grace_seconds: float) -> None:
     """Remove payload files no row names and older than ``grace_seconds`` (a crash's leftovers), then
     the shard folders that are empty, and measure the others' sizes for the byte budget."""
     try:

@@ -18,7 +18,6 @@ holds state.
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,9 +25,9 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.disk import chunkstore
-from llama_cache.caches.disk.chunkstore import ChunkRow
-from llama_cache.caches.disk.payloads import _SUFFIX, _Unreadable
-from llama_cache.caches.disk.rows import _BadRow, _Entry
+from llama_cache.caches.disk.chunkstore import BrokenChain, ChunkRow
+from llama_cache.caches.disk.payloads import Unreadable, new_name
+from llama_cache.caches.disk.rows import BadRow, Entry
 from llama_cache.state.chunks import (
     Head,
     Piece,
@@ -45,12 +44,6 @@ from llama_cache.state.llama_state import LlamaState
 
 if TYPE_CHECKING:
     from llama_cache.caches.disk.store import DiskStore
-
-
-def new_name(shards: int = 256) -> str:
-    """A fresh payload name (random: two writers never pick the same file) in one of the first
-    ``shards`` folders (1..256: :func:`.budget.shard_count`)."""
-    return f"{secrets.randbelow(shards):02x}/{secrets.token_hex(16)}{_SUFFIX}"
 
 
 @dataclass(slots=True)
@@ -124,49 +117,35 @@ def discard(store: DiskStore, chain: ChainPlan) -> None:
     chain.written.clear()
 
 
-class BrokenChain(Exception):
-    """A chunk of an entry's chain could not be used: missing, damaged, or not what the chain says.
-
-    Attributes:
-        chunk: the chunk's id (None when the links themselves are malformed).
-        reason: why.
-    """
-
-    def __init__(self, chunk: bytes | None, reason: str) -> None:
-        super().__init__(reason)
-        self.chunk = chunk
-        self.reason = reason
-
-
-def load(store: DiskStore, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> LlamaState:
+def load(store: DiskStore, entry: Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> LlamaState:
     """Read a chunked entry: its head, then the chunks covering its first ``upto`` tokens (all: None).
 
     The state holds views of private copies of the files and the head's logits only when it
     holds every token of the entry.
 
     Raises:
-        _Unreadable: the head file is missing or damaged, or does not hold what its row says.
+        Unreadable: the head file is missing or damaged, or does not hold what its row says.
         BrokenChain: the links or a chunk are.
     """
     buffer = store.data.read(entry.file, entry.size, entry.codec, entry.raw_size)
     try:
         head = decode_head(buffer, verify=store.verify)
     except CorruptStateError as error:
-        raise _Unreadable(f"corrupt chain head: {error}") from None
+        raise Unreadable(f"corrupt chain head: {error}") from None
     n = entry.n_state
     if head.fingerprint != entry.namespace:
-        raise _Unreadable("chain head belongs to another model than its index entry")
+        raise Unreadable("chain head belongs to another model than its index entry")
     if len(head.tokens) != n or (head.logits is not None) != entry.logits:
-        raise _Unreadable("chain head does not hold what its index entry says")
+        raise Unreadable("chain head does not hold what its index entry says")
     if key is not None and (len(key) != entry.n_key or not np.array_equal(head.tokens[: len(key)], key)):
-        raise _Unreadable("chain head does not hold the tokens of its key")
+        raise Unreadable("chain head does not hold the tokens of its key")
     upto = n if upto is None else upto
     if not 0 < upto <= n:
         raise ValueError(f"cannot read {upto} of an entry's {n} tokens")
     with store.lock:
         try:
             rows = chunkstore.chain(store.connection(), entry.id)
-        except _BadRow as problem:
+        except BadRow as problem:
             raise BrokenChain(None, str(problem)) from None
     return assemble(head, _segments(store, head, rows, n, upto), upto)
 
@@ -196,7 +175,7 @@ def _segments(store: DiskStore, head: Head, rows: list[ChunkRow], n: int, upto: 
                 data, namespace=row.namespace, ident=row.id, prev=row.prev, start=start, layout=head.layout,
                 verify=store.verify,
             )
-        except _Unreadable as problem:
+        except Unreadable as problem:
             raise BrokenChain(row.id, str(problem)) from None
         except CorruptStateError as error:
             raise BrokenChain(row.id, f"corrupt chunk: {error}") from None

@@ -11,8 +11,10 @@ chunk with the same predecessor extending its tokens is stored: the links to it 
 chunk (which holds the same KV for those positions) and it is freed. Successive stores of a growing
 conversation thus keep one tail per branch, not one per entry.
 
-Rows are untrusted: :func:`chunk_from_row` validates them (raising :class:`~.rows._BadRow`). Functions
-taking a connection run in the caller's transaction.
+Rows are untrusted: :func:`chunk_from_row` validates them (raising :class:`~.rows.BadRow`). A chain that
+cannot be used (a link or chunk missing, damaged, or not what the chain says) is a :class:`BrokenChain`,
+raised by :mod:`.chunked` when it reads one and handled by the store. Functions taking a connection run
+in the caller's transaction.
 """
 
 from __future__ import annotations
@@ -25,11 +27,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.caches.disk.payloads import _CODECS, _FILE_NAME
-from llama_cache.caches.disk.rows import _MAX_NAMESPACE, _BadRow, _is_int, _key_blob, _tokens
+from llama_cache.caches.disk.payloads import CODECS, FILE_NAME
+from llama_cache.caches.disk.rows import MAX_NAMESPACE, BadRow, is_int, key_blob, key_tokens
 from llama_cache.state.chunks import ID_BYTES, MAX_CHUNK_FILE_TOKENS
 
-_CHUNK_COLUMNS = "id, namespace, prev, start, tokens, file, size, raw_size, codec"
+CHUNK_COLUMNS = "id, namespace, prev, start, tokens, file, size, raw_size, codec"
 _BASE_BYTES = 1 << 16  # a chunk file's header
 _BYTES_PER_TOKEN = (4 << 20) + 4  # KV of the largest models, and the token id
 _ZLIB_MAX_RATIO = 1032
@@ -54,37 +56,51 @@ class ChunkRow:
         return len(self.tokens)
 
 
+class BrokenChain(Exception):
+    """A chunk of an entry's chain could not be used: missing, damaged, or not what the chain says.
+
+    Attributes:
+        chunk: the chunk's id (None when the links themselves are malformed).
+        reason: why.
+    """
+
+    def __init__(self, chunk: bytes | None, reason: str) -> None:
+        super().__init__(reason)
+        self.chunk = chunk
+        self.reason = reason
+
+
 def chunk_from_row(row: Sequence[Any]) -> ChunkRow:
-    """Validate one ``chunks`` row (columns of ``_CHUNK_COLUMNS``).
+    """Validate one ``chunks`` row (columns of ``CHUNK_COLUMNS``).
 
     Raises:
-        _BadRow: anything about it is wrong.
+        BadRow: anything about it is wrong.
     """
     if len(row) != 9:
-        raise _BadRow("wrong number of columns")
+        raise BadRow("wrong number of columns")
     ident, namespace, prev, start, tokens, file, size, raw_size, codec = row
     if not isinstance(ident, bytes) or len(ident) != ID_BYTES:
-        raise _BadRow("id is not a chunk id")
-    if not isinstance(namespace, str) or not 0 < len(namespace) <= _MAX_NAMESPACE:
-        raise _BadRow("namespace is not a short non-empty text")
+        raise BadRow("id is not a chunk id")
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= MAX_NAMESPACE:
+        raise BadRow("namespace is not a short non-empty text")
     if not isinstance(prev, bytes) or len(prev) not in (0, ID_BYTES):
-        raise _BadRow("prev is not a chunk id")
+        raise BadRow("prev is not a chunk id")
     if not isinstance(tokens, bytes) or len(tokens) % 4 or not 0 < len(tokens) <= 4 * MAX_CHUNK_FILE_TOKENS:
-        raise _BadRow("tokens is not a blob of int32 tokens")
-    held = _tokens(tokens)
+        raise BadRow("tokens is not a blob of int32 tokens")
+    held = key_tokens(tokens)
     if int(held.min()) < 0:
-        raise _BadRow("tokens holds a negative token")
-    if not _is_int(start) or start < 0 or (start == 0) != (prev == b""):
-        raise _BadRow("start does not agree with prev")
-    if not isinstance(file, str) or not _FILE_NAME.fullmatch(file):
-        raise _BadRow("file is not a payload name")
+        raise BadRow("tokens holds a negative token")
+    if not is_int(start) or start < 0 or (start == 0) != (prev == b""):
+        raise BadRow("start does not agree with prev")
+    if not isinstance(file, str) or not FILE_NAME.fullmatch(file):
+        raise BadRow("file is not a payload name")
     cap = _BASE_BYTES + len(held) * _BYTES_PER_TOKEN
-    if not _is_int(size) or not 0 < size <= cap or not _is_int(raw_size) or not 0 < raw_size <= cap:
-        raise _BadRow("size out of bounds")
-    if not isinstance(codec, str) or codec not in _CODECS:
-        raise _BadRow("unknown codec")
+    if not is_int(size) or not 0 < size <= cap or not is_int(raw_size) or not 0 < raw_size <= cap:
+        raise BadRow("size out of bounds")
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise BadRow("unknown codec")
     if (codec == "raw" and raw_size != size) or (codec == "zlib" and raw_size > size * _ZLIB_MAX_RATIO + 1024):
-        raise _BadRow("raw_size does not agree with size")
+        raise BadRow("raw_size does not agree with size")
     return ChunkRow(ident, namespace, prev, start, held, file, size, raw_size, codec)
 
 
@@ -105,10 +121,10 @@ def extending(conn: sqlite3.Connection, namespace: str, prev: bytes, tokens: npt
     Malformed rows are skipped. Cost: the chunks stored after ``prev`` (the branches at that point).
     """
     best: ChunkRow | None = None
-    for row in conn.execute(f"SELECT {_CHUNK_COLUMNS} FROM chunks WHERE namespace = ? AND prev = ?", (namespace, prev)):
+    for row in conn.execute(f"SELECT {CHUNK_COLUMNS} FROM chunks WHERE namespace = ? AND prev = ?", (namespace, prev)):
         try:
             chunk = chunk_from_row(row)
-        except _BadRow:
+        except BadRow:
             continue
         if chunk.n_tokens >= len(tokens) and np.array_equal(chunk.tokens[: len(tokens)], tokens):
             if best is None or chunk.n_tokens > best.n_tokens:
@@ -119,8 +135,8 @@ def extending(conn: sqlite3.Connection, namespace: str, prev: bytes, tokens: npt
 def insert(conn: sqlite3.Connection, chunk: ChunkRow) -> bool:
     """Add a chunk row unless one with its id exists. Returns whether it was added."""
     cursor = conn.execute(
-        f"INSERT OR IGNORE INTO chunks ({_CHUNK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (chunk.id, chunk.namespace, chunk.prev, chunk.start, _key_blob(chunk.tokens), chunk.file, chunk.size,
+        f"INSERT OR IGNORE INTO chunks ({CHUNK_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (chunk.id, chunk.namespace, chunk.prev, chunk.start, key_blob(chunk.tokens), chunk.file, chunk.size,
          chunk.raw_size, chunk.codec),
     )
     return bool(cursor.rowcount)
@@ -134,13 +150,13 @@ def absorb(conn: sqlite3.Connection, chunk: ChunkRow) -> set[bytes]:
     """
     absorbed: set[bytes] = set()
     rows = conn.execute(
-        f"SELECT {_CHUNK_COLUMNS} FROM chunks WHERE namespace = ? AND prev = ? AND id != ?",
+        f"SELECT {CHUNK_COLUMNS} FROM chunks WHERE namespace = ? AND prev = ? AND id != ?",
         (chunk.namespace, chunk.prev, chunk.id),
     ).fetchall()
     for row in rows:
         try:
             shorter = chunk_from_row(row)
-        except _BadRow:
+        except BadRow:
             continue
         if shorter.n_tokens < chunk.n_tokens and np.array_equal(chunk.tokens[: shorter.n_tokens], shorter.tokens):
             # Only a chain's last chunk may be replaced by a longer one. A shorter chunk is not always
@@ -158,6 +174,7 @@ def absorb(conn: sqlite3.Connection, chunk: ChunkRow) -> set[bytes]:
 
 
 def link(conn: sqlite3.Connection, entry_id: int, ids: Sequence[bytes]) -> None:
+    """Link an entry to its chain's chunks, in order (one row each)."""
     conn.executemany("INSERT INTO links (entry_id, pos, chunk) VALUES (?, ?, ?)", ((entry_id, pos, ident) for pos, ident in enumerate(ids)))
 
 
@@ -171,7 +188,7 @@ def release(conn: sqlite3.Connection, ids: Iterable[bytes]) -> list[tuple[str, i
     freed: list[tuple[str, int]] = []
     for ident in ids:
         row = conn.execute(
-            f"SELECT {_CHUNK_COLUMNS} FROM chunks WHERE id = ? AND NOT EXISTS (SELECT 1 FROM links WHERE chunk = ?)",
+            f"SELECT {CHUNK_COLUMNS} FROM chunks WHERE id = ? AND NOT EXISTS (SELECT 1 FROM links WHERE chunk = ?)",
             (ident, ident),
         ).fetchone()
         if row is None:
@@ -179,7 +196,7 @@ def release(conn: sqlite3.Connection, ids: Iterable[bytes]) -> list[tuple[str, i
         conn.execute("DELETE FROM chunks WHERE id = ?", (ident,))
         try:
             chunk = chunk_from_row(row)
-        except _BadRow:
+        except BadRow:
             continue
         freed.append((chunk.file, chunk.size))
     return freed
@@ -189,19 +206,19 @@ def chain(conn: sqlite3.Connection, entry_id: int) -> list[ChunkRow]:
     """The chunks an entry links, in order.
 
     Raises:
-        _BadRow: a link is missing or malformed, or names no chunk or a malformed one.
+        BadRow: a link is missing or malformed, or names no chunk or a malformed one.
     """
     rows = conn.execute(
-        f"SELECT l.pos, {', '.join('c.' + c.strip() for c in _CHUNK_COLUMNS.split(','))} "
+        f"SELECT l.pos, {', '.join('c.' + c.strip() for c in CHUNK_COLUMNS.split(','))} "
         "FROM links AS l LEFT JOIN chunks AS c ON c.id = l.chunk WHERE l.entry_id = ? ORDER BY l.pos",
         (entry_id,),
     ).fetchall()
     out: list[ChunkRow] = []
     for expected, row in enumerate(rows):
         if row[0] != expected:
-            raise _BadRow(f"entry {entry_id} has no link at position {expected}")
+            raise BadRow(f"entry {entry_id} has no link at position {expected}")
         if row[1] is None:
-            raise _BadRow(f"entry {entry_id} links a chunk that is not stored")
+            raise BadRow(f"entry {entry_id} links a chunk that is not stored")
         out.append(chunk_from_row(row[1:]))
     return out
 
@@ -214,6 +231,6 @@ def stored_bytes(conn: sqlite3.Connection, block: int) -> tuple[int, int]:
         "WHERE typeof(size) = 'integer' AND size > 0 AND size <= ?",
         (block, block, block, _BASE_BYTES + MAX_CHUNK_FILE_TOKENS * _BYTES_PER_TOKEN),
     ).fetchone()
-    if row is None or not _is_int(row[0]) or not _is_int(row[1]):
+    if row is None or not is_int(row[0]) or not is_int(row[1]):
         return 0, 0
     return int(row[0]), int(row[1])

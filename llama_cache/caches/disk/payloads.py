@@ -2,7 +2,7 @@
 
 A payload is named ``ab/<32 hex>.llst`` (two random hex digits for the folder, 32 for the file) and
 holds an encoded state (:mod:`llama_cache.state.format`), raw or zlib-compressed. The folder is
-untrusted: :class:`_DataDir` reaches it only through directory descriptors opened with ``O_NOFOLLOW``
+untrusted: :class:`DataDir` reaches it only through directory descriptors opened with ``O_NOFOLLOW``
 (no symbolic link below ``data/`` is ever followed), opens payloads with ``O_NONBLOCK`` (a FIFO never
 blocks) and reads only regular files (``fstat``); unlinks go through the same descriptors, so nothing
 outside ``data/`` is ever removed. Raw payloads are read into a new private buffer, never memory-mapped:
@@ -14,10 +14,10 @@ with ``O_EXCL`` and removed again if writing them fails. POSIX only (``dir_fd``)
 **Shard folders come and go.** A folder is made by the first write into it and removed (``rmdir``,
 which only ever removes an empty folder) when a removal takes its last file away, so none is left
 behind empty. Another process may remove a folder between this one making or opening it and creating
-a file in it: the kernel then refuses the creation (``ENOENT``) and :meth:`_DataDir.create` makes the
+a file in it: the kernel then refuses the creation (``ENOENT``) and :meth:`DataDir.create` makes the
 folder again and retries, so a writer never loses a race with a remover.
 
-A payload that cannot be read as its row says raises :class:`_Unreadable`, which callers turn into a
+A payload that cannot be read as its row says raises :class:`Unreadable`, which callers turn into a
 miss. Thread-safe: nothing here holds state beyond the folder's path.
 """
 
@@ -27,6 +27,7 @@ import errno
 import logging
 import os
 import re
+import secrets
 import stat
 import zlib
 from collections.abc import Iterable, Iterator
@@ -42,10 +43,10 @@ from llama_cache.state.format import encoded_size
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
 DATA_DIR = "data"
-_SUFFIX = ".llst"
-_FILE_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.llst")
+SUFFIX = ".llst"  # of every payload, chain head and chunk file
+FILE_NAME = re.compile(r"[0-9a-f]{2}/[0-9a-f]{32}\.llst")  # a valid payload name (rows naming anything else are malformed)
 _SUBDIR_NAME = re.compile(r"[0-9a-f]{2}")
-_CODECS = ("raw", "zlib")
+CODECS = ("raw", "zlib")  # the codec column's values
 _DEFAULT_ZLIB_LEVEL = 6
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -57,7 +58,13 @@ _CREATE_ATTEMPTS = 8  # folders removed under a writer before it gives up (each 
 _KEEP_FOLDER = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR, errno.EBUSY)
 
 
-class _Unreadable(Exception):
+def new_name(shards: int = 256) -> str:
+    """A fresh payload name (random: two writers never pick the same file) in one of the first
+    ``shards`` folders (1..256: :func:`.budget.shard_count`)."""
+    return f"{secrets.randbelow(shards):02x}/{secrets.token_hex(16)}{SUFFIX}"
+
+
+class Unreadable(Exception):
     """A payload could not be loaded; ``missing`` when its file does not exist."""
 
     def __init__(self, reason: str, missing: bool = False) -> None:
@@ -65,7 +72,7 @@ class _Unreadable(Exception):
         self.missing = missing
 
 
-def _write_all(fd: int, data: Any) -> None:
+def write_all(fd: int, data: Any) -> None:
     """Write a whole bytes-like object to ``fd`` (``os.write`` may write less than asked)."""
     view = memoryview(data).cast("B")
     while view.nbytes:
@@ -77,7 +84,7 @@ def _read_exactly(fd: int, size: int) -> npt.NDArray[np.uint8]:
     """Read ``size`` bytes from the start of ``fd`` into a new read-only array (one copy, no zeroing).
 
     Raises:
-        _Unreadable: the file ended first (truncated since it was opened).
+        Unreadable: the file ended first (truncated since it was opened).
     """
     buffer = np.empty(size, dtype=np.uint8)
     view = memoryview(buffer)
@@ -85,7 +92,7 @@ def _read_exactly(fd: int, size: int) -> npt.NDArray[np.uint8]:
     while done < size:
         count = os.preadv(fd, [view[done:]], done)
         if count == 0:
-            raise _Unreadable(f"payload shrank to {done} bytes while being read")
+            raise Unreadable(f"payload shrank to {done} bytes while being read")
         done += count
     buffer.flags.writeable = False
     return buffer
@@ -102,7 +109,7 @@ def _read_all(fd: int, size: int) -> bytes:
     return b"".join(chunks)
 
 
-class _DataDir:
+class DataDir:
     """The payload folder, reached only through directory descriptors opened with ``O_NOFOLLOW``.
 
     No path under it is ever resolved by the kernel across a symbolic link, names are checked against
@@ -111,9 +118,13 @@ class _DataDir:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        # Shard folders this process made or removed, ever: ``data/`` itself can only have changed
+        # size through this process when this count changed (see DiskStore.top_bytes).
+        self.folder_changes = 0
 
     def _open_subdir(self, subdir: str, create: bool = False) -> int:
-        """A descriptor of a shard folder (made first with ``create``); the caller closes it.
+        """A descriptor of a shard folder (with ``create``, made if it does not exist, and ``data/``
+        too); the caller closes it. Two ``open`` calls when the folder exists (no ``mkdir``).
 
         Raises:
             ValueError: not a shard folder name.
@@ -122,13 +133,24 @@ class _DataDir:
         """
         if not _SUBDIR_NAME.fullmatch(subdir):
             raise ValueError(f"not a payload folder name: {subdir!r}")
-        data_fd = os.open(self.path, _O_DIR)
         try:
-            if create:
-                try:
-                    os.mkdir(subdir, 0o755, dir_fd=data_fd)
-                except FileExistsError:
-                    pass
+            data_fd = os.open(self.path, _O_DIR)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.makedirs(self.path, exist_ok=True)  # removed under the cache: made again
+            data_fd = os.open(self.path, _O_DIR)
+        try:
+            try:
+                return os.open(subdir, _O_DIR, dir_fd=data_fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+            try:
+                os.mkdir(subdir, 0o755, dir_fd=data_fd)
+                self.folder_changes += 1
+            except FileExistsError:  # made meanwhile by another writer
+                pass
             return os.open(subdir, _O_DIR, dir_fd=data_fd)
         finally:
             os.close(data_fd)
@@ -143,7 +165,7 @@ class _DataDir:
 
     @staticmethod
     def _split(name: str) -> tuple[str, str]:
-        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
+        if not isinstance(name, str) or not FILE_NAME.fullmatch(name):
             raise ValueError(f"not a payload name: {name!r}")
         subdir, base = name.split("/")
         return subdir, base
@@ -153,7 +175,7 @@ class _DataDir:
 
         Raises:
             FileNotFoundError: it does not exist.
-            _Unreadable: it is not a regular file (or a link, a FIFO, a folder...).
+            Unreadable: it is not a regular file (or a link, a FIFO, a folder...).
             OSError: it cannot be opened.
         """
         subdir, base = self._split(name)
@@ -162,12 +184,12 @@ class _DataDir:
                 fd = os.open(base, _O_READ, dir_fd=dir_fd)
             except OSError as error:
                 if error.errno == errno.ELOOP:
-                    raise _Unreadable("payload is a symbolic link") from None
+                    raise Unreadable("payload is a symbolic link") from None
                 raise
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
-                raise _Unreadable("payload is not a regular file")
+                raise Unreadable("payload is not a regular file")
         except BaseException:
             os.close(fd)
             raise
@@ -181,7 +203,6 @@ class _DataDir:
         docstring). On an exception the file is removed, and its folder too if that left it empty.
         """
         subdir, base = self._split(name)
-        os.makedirs(self.path, exist_ok=True)
         dir_fd, fd = self._create_in(subdir, base)
         try:
             try:
@@ -230,23 +251,23 @@ class _DataDir:
             The encoded state: a read-only array of bytes owned by the caller (never a mapping).
 
         Raises:
-            _Unreadable: the file is missing (``missing``), not a regular file, of another length, or
+            Unreadable: the file is missing (``missing``), not a regular file, of another length, or
                 cannot be read or inflated.
         """
         try:
             fd, found = self.open_regular(name)
         except FileNotFoundError:
-            raise _Unreadable("payload file is missing", missing=True) from None
+            raise Unreadable("payload file is missing", missing=True) from None
         except (OSError, ValueError) as error:
-            raise _Unreadable(f"cannot open payload: {error}") from None
+            raise Unreadable(f"cannot open payload: {error}") from None
         try:
             if found != size:
-                raise _Unreadable(f"payload is {found} bytes, the index says {size}")
+                raise Unreadable(f"payload is {found} bytes, the index says {size}")
             if codec == "raw":
                 return _read_exactly(fd, found)
             return _inflate(_read_all(fd, found), raw_size)
         except (OSError, ValueError, OverflowError, MemoryError) as error:
-            raise _Unreadable(f"cannot read payload: {error}") from None
+            raise Unreadable(f"cannot read payload: {error}") from None
         finally:
             os.close(fd)
 
@@ -268,17 +289,17 @@ class _DataDir:
         with self.create(name) as (fd, dir_fd):
             if compress is None:
                 for part in parts:
-                    _write_all(fd, part)
+                    write_all(fd, part)
                 size = encoded_size(parts)
             else:
                 compressor = zlib.compressobj(compress)
                 size = 0
                 for part in parts:
                     chunk = compressor.compress(part)
-                    _write_all(fd, chunk)
+                    write_all(fd, chunk)
                     size += len(chunk)
                 tail = compressor.flush()
-                _write_all(fd, tail)
+                write_all(fd, tail)
                 size += len(tail)
             if fsync:
                 os.fsync(fd)
@@ -331,6 +352,7 @@ class _DataDir:
             for subdir in wanted:
                 try:
                     os.rmdir(subdir, dir_fd=data_fd)
+                    self.folder_changes += 1
                 except OSError as error:
                     if error.errno not in _KEEP_FOLDER:
                         logger.warning("disk cache: could not remove the folder %s: %s", subdir, error)
@@ -406,7 +428,7 @@ class _DataDir:
                 with self._subdir(subdir) as dir_fd:
                     for child in os.scandir(dir_fd):
                         name = f"{subdir}/{child.name}"
-                        if not _FILE_NAME.fullmatch(name):
+                        if not FILE_NAME.fullmatch(name):
                             continue
                         try:
                             info = child.stat(follow_symlinks=False)
@@ -430,7 +452,7 @@ def _unlink_at(dir_fd: int, base: str, name: str) -> bool:
         return False
 
 
-def _compress_level(compress: object) -> int | None:
+def compress_level(compress: object) -> int | None:
     """Validate ``compress``: None, ``"zlib"`` (level 6) or a zlib level 1..9.
 
     Raises:
@@ -454,8 +476,8 @@ def _inflate(data: bytes, raw_size: int) -> bytes:
     try:
         out = inflater.decompress(data, raw_size + 1)
     except zlib.error as error:
-        raise _Unreadable(f"corrupt compressed payload: {error}") from None
+        raise Unreadable(f"corrupt compressed payload: {error}") from None
     if len(out) != raw_size or not inflater.eof or inflater.unconsumed_tail or inflater.unused_data:
-        raise _Unreadable("compressed payload does not match its recorded size")
+        raise Unreadable("compressed payload does not match its recorded size")
     return out
 

@@ -3,11 +3,11 @@
 Everything read from the index is validated here before any other module uses it: ids and sizes are
 integers (never bools), keys are blobs of whole non-negative int32 tokens, namespaces and model
 descriptions are short texts, payload names match ``ab/<32 hex>.llst`` exactly, and sizes are within
-what a state with that many tokens can be (``_STATE_BASE_BYTES + _STATE_BYTES_PER_TOKEN`` per token, at
-most ``_MAX_STATE_BYTES``). A row that does not validate raises :class:`_BadRow`; callers log and skip
-it. A valid row becomes an :class:`_Entry` (in memory) and, for listings, a public :class:`DiskEntry`.
+what a state with that many tokens can be (``STATE_BASE_BYTES + STATE_BYTES_PER_TOKEN`` per token, at
+most ``MAX_STATE_BYTES``). A row that does not validate raises :class:`BadRow`; callers log and skip
+it. A valid row becomes an :class:`Entry` (in memory) and, for listings, a public :class:`DiskEntry`.
 
-Also here: the encoding of keys (``_key_blob``, ``_key_hash``, ``_tokens``) and the validation of the
+Also here: the encoding of keys (``key_blob``, ``key_hash``, ``key_tokens``) and the validation of the
 caller-supplied values that end up in rows (fingerprints, model descriptions). Pure functions, no I/O.
 """
 
@@ -23,16 +23,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.caches.disk.payloads import _CODECS, _FILE_NAME
+from llama_cache.caches.disk.payloads import CODECS, FILE_NAME
 from llama_cache.state.chunks import KIND_CHUNKED
 from llama_cache.state.format import KIND_LLAMA_CACHE, KIND_UPSTREAM
 
 # Bounds on what the index may claim (everything read from it is untrusted).
-_MAX_NAMESPACE = 256  # characters of a namespace (fingerprints are 32)
-_MAX_KEY_TOKENS = 1 << 24
-_STATE_BASE_BYTES = 256 << 20  # recurrent memory, a logits row, headers...
-_STATE_BYTES_PER_TOKEN = 4 << 20  # KV per token of the largest models, or a scores row of a huge vocabulary
-_MAX_STATE_BYTES = 64 << 30
+MAX_NAMESPACE = 256  # characters of a namespace (fingerprints are 32)
+MAX_KEY_TOKENS = 1 << 24  # the longest key (and state) a row may hold
+STATE_BASE_BYTES = 256 << 20  # recurrent memory, a logits row, headers...
+STATE_BYTES_PER_TOKEN = 4 << 20  # KV per token of the largest models, or a scores row of a huge vocabulary
+MAX_STATE_BYTES = 64 << 30  # no encoded state read back is believed larger (state_cap)
 _ZLIB_MAX_RATIO = 1032  # deflate cannot compress better than about 1032:1
 _MAX_MODEL_INFO = 16  # fields of a model description
 _MAX_MODEL_FIELD = 200  # characters of each
@@ -73,7 +73,7 @@ class DiskEntry:
 
 
 
-class _Entry:
+class Entry:
     """What a process keeps in memory per entry (the key lives in the radix index, not here)."""
 
     __slots__ = ("id", "namespace", "size", "raw_size", "file", "codec", "recency", "kind", "cut", "logits",
@@ -97,82 +97,83 @@ class _Entry:
         self.n_key = n_key
 
 
-class _BadRow(Exception):
+class BadRow(Exception):
     """A row of the index that does not validate."""
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """Whether ``value`` is an ``int`` and not a ``bool`` (what SQLite hands back for an integer column)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _state_cap(n_key: int) -> int:
+def state_cap(n_key: int) -> int:
     """The most bytes an encoded state filed under a key of ``n_key`` tokens may take."""
-    return min(_MAX_STATE_BYTES, _STATE_BASE_BYTES + n_key * _STATE_BYTES_PER_TOKEN)
+    return min(MAX_STATE_BYTES, STATE_BASE_BYTES + n_key * STATE_BYTES_PER_TOKEN)
 
 
-def _entry_from_row(row: Sequence[Any]) -> tuple[_Entry, npt.NDArray[np.int32]]:
-    """Validate one ``entries`` row (columns of ``_ROW``) and return its entry and key.
+def entry_from_row(row: Sequence[Any]) -> tuple[Entry, npt.NDArray[np.int32]]:
+    """Validate one ``entries`` row (columns of ``ENTRY_ROW``) and return its entry and key.
 
     Raises:
-        _BadRow: anything about the row is wrong.
+        BadRow: anything about the row is wrong.
     """
     if len(row) != 12:
-        raise _BadRow("wrong number of columns")
+        raise BadRow("wrong number of columns")
     entry_id, namespace, key, kind, cut, logits, n_state, file, size, raw_size, codec, recency = row
-    if not _is_int(entry_id):
-        raise _BadRow("id is not an integer")
-    if not isinstance(namespace, str) or not 0 < len(namespace) <= _MAX_NAMESPACE:
-        raise _BadRow("namespace is not a short non-empty text")
-    if not isinstance(key, bytes) or len(key) % 4 or len(key) > 4 * _MAX_KEY_TOKENS:
-        raise _BadRow("key is not a blob of int32 tokens")
-    tokens = _tokens(key)
+    if not is_int(entry_id):
+        raise BadRow("id is not an integer")
+    if not isinstance(namespace, str) or not 0 < len(namespace) <= MAX_NAMESPACE:
+        raise BadRow("namespace is not a short non-empty text")
+    if not isinstance(key, bytes) or len(key) % 4 or len(key) > 4 * MAX_KEY_TOKENS:
+        raise BadRow("key is not a blob of int32 tokens")
+    tokens = key_tokens(key)
     if len(tokens) and int(tokens.min()) < 0:
-        raise _BadRow("key holds a negative token")
-    if kind not in (KIND_LLAMA_CACHE, KIND_UPSTREAM, KIND_CHUNKED) or not _is_int(kind):
-        raise _BadRow("unknown kind")
-    if cut not in (0, 1) or logits not in (0, 1) or not _is_int(cut) or not _is_int(logits):
-        raise _BadRow("cut/logits are not 0 or 1")
+        raise BadRow("key holds a negative token")
+    if kind not in (KIND_LLAMA_CACHE, KIND_UPSTREAM, KIND_CHUNKED) or not is_int(kind):
+        raise BadRow("unknown kind")
+    if cut not in (0, 1) or logits not in (0, 1) or not is_int(cut) or not is_int(logits):
+        raise BadRow("cut/logits are not 0 or 1")
     if kind in (KIND_UPSTREAM, KIND_CHUNKED) and not cut:
-        raise _BadRow("a llama-cpp-python or chunked state is always cut")
-    if not _is_int(n_state) or not len(tokens) <= n_state <= _MAX_KEY_TOKENS:
-        raise _BadRow("n_state is not a token count at least the key's")
-    if not isinstance(file, str) or not _FILE_NAME.fullmatch(file):
-        raise _BadRow("file is not a payload name")
-    cap = _state_cap(len(tokens))
-    if not _is_int(size) or not 0 < size <= cap:
-        raise _BadRow("size out of bounds")
-    if codec not in _CODECS or not isinstance(codec, str):
-        raise _BadRow("unknown codec")
-    if not _is_int(raw_size) or not 0 < raw_size <= cap:
-        raise _BadRow("raw_size out of bounds")
+        raise BadRow("a llama-cpp-python or chunked state is always cut")
+    if not is_int(n_state) or not len(tokens) <= n_state <= MAX_KEY_TOKENS:
+        raise BadRow("n_state is not a token count at least the key's")
+    if not isinstance(file, str) or not FILE_NAME.fullmatch(file):
+        raise BadRow("file is not a payload name")
+    cap = state_cap(len(tokens))
+    if not is_int(size) or not 0 < size <= cap:
+        raise BadRow("size out of bounds")
+    if codec not in CODECS or not isinstance(codec, str):
+        raise BadRow("unknown codec")
+    if not is_int(raw_size) or not 0 < raw_size <= cap:
+        raise BadRow("raw_size out of bounds")
     if codec == "raw" and raw_size != size:
-        raise _BadRow("raw payload whose raw_size differs from its size")
+        raise BadRow("raw payload whose raw_size differs from its size")
     if codec == "zlib" and raw_size > size * _ZLIB_MAX_RATIO + 1024:
-        raise _BadRow("raw_size beyond what the compressed size can hold")
-    if not _is_int(recency):
-        raise _BadRow("recency is not an integer")
-    entry = _Entry(entry_id, namespace, size, raw_size, file, codec, recency, kind, bool(cut), bool(logits),
+        raise BadRow("raw_size beyond what the compressed size can hold")
+    if not is_int(recency):
+        raise BadRow("recency is not an integer")
+    entry = Entry(entry_id, namespace, size, raw_size, file, codec, recency, kind, bool(cut), bool(logits),
                    n_state, len(tokens))
     return entry, tokens
 
 
-def _model_info_from_row(fingerprint: Any, info: Any) -> dict[str, str]:
-    """Validate one ``models`` row. Raises _BadRow."""
-    if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= _MAX_NAMESPACE:
-        raise _BadRow("fingerprint is not a short non-empty text")
+def model_info_from_row(fingerprint: Any, info: Any) -> dict[str, str]:
+    """Validate one ``models`` row. Raises BadRow."""
+    if not isinstance(fingerprint, str) or not 0 < len(fingerprint) <= MAX_NAMESPACE:
+        raise BadRow("fingerprint is not a short non-empty text")
     if not isinstance(info, str) or len(info) > 8 * _MAX_MODEL_INFO * _MAX_MODEL_FIELD:
-        raise _BadRow("info is not a short text")
+        raise BadRow("info is not a short text")
     try:
         parsed = json.loads(info)
     except ValueError:
-        raise _BadRow("info is not JSON") from None
+        raise BadRow("info is not JSON") from None
     try:
-        return _check_model_info(parsed)
+        return check_model_info(parsed)
     except (TypeError, ValueError) as error:
-        raise _BadRow(str(error)) from None
+        raise BadRow(str(error)) from None
 
 
-def _check_model_info(info: object) -> dict[str, str]:
+def check_model_info(info: object) -> dict[str, str]:
     """A model description: a mapping of at most 16 short strings to short strings.
 
     Raises:
@@ -192,27 +193,32 @@ def _check_model_info(info: object) -> dict[str, str]:
     return out
 
 
-def _check_fingerprint(fingerprint: object) -> None:
+def check_fingerprint(fingerprint: object) -> None:
+    """Refuse a fingerprint argument that is not None or a short non-empty str (TypeError, ValueError)."""
     if fingerprint is None:
         return
     if not isinstance(fingerprint, str):
         raise TypeError(f"fingerprint must be a str or None, got {type(fingerprint).__name__}")
-    if not 0 < len(fingerprint) <= _MAX_NAMESPACE:
-        raise ValueError(f"fingerprint must be 1..{_MAX_NAMESPACE} characters")
+    if not 0 < len(fingerprint) <= MAX_NAMESPACE:
+        raise ValueError(f"fingerprint must be 1..{MAX_NAMESPACE} characters")
 
 
-def _key_blob(tokens: npt.NDArray[np.int32]) -> bytes:
+def key_blob(tokens: npt.NDArray[np.int32]) -> bytes:
+    """A key as the index stores it: int32 little-endian."""
     return np.ascontiguousarray(tokens, dtype="<i4").tobytes()
 
 
-def _key_hash(blob: bytes) -> bytes:
+def key_hash(blob: bytes) -> bytes:
+    """The ``key_hash`` column of a key's blob (BLAKE2b-128): what the uniqueness constraint compares."""
     return hashlib.blake2b(blob, digest_size=16).digest()
 
 
-def _tokens(blob: bytes) -> npt.NDArray[np.int32]:
+def key_tokens(blob: bytes) -> npt.NDArray[np.int32]:
+    """The tokens of a key blob (a view of it; the caller checks the length and the values)."""
     return np.frombuffer(blob, dtype="<i4")
 
 
-def _as_float(value: object) -> float:
+def as_float(value: object) -> float:
+    """A timestamp column read back: the number when it is a finite one, else 0.0."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else 0.0
 

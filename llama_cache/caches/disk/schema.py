@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from llama_cache.caches.disk.rows import _Entry, _is_int
+from llama_cache.caches.disk.rows import Entry, is_int
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -30,15 +30,15 @@ SCHEMA_VERSION = 3
 # and links, and its entries stay readable as whole-state entries.
 _UPGRADABLE = (2,)
 
-_ADD, _TOUCH, _DELETE = 1, 2, 3  # change-log operations
+ADD, TOUCH, DELETE = 1, 2, 3  # change-log operations
 _TRIM_EVERY = 20_000  # log rows accumulated before a trim...
 _TRIM_KEEP = 5_000  # ...which keeps this many (a process further behind rebuilds its index)
 
-_ENTRY_COLUMNS = (
+ENTRY_COLUMNS = (
     "id", "namespace", "key", "key_hash", "kind", "cut", "logits", "n_state", "file", "size", "raw_size",
     "codec", "created", "accessed", "recency", "hits",
 )
-_SCHEMA = (
+SCHEMA = (
     """CREATE TABLE IF NOT EXISTS entries (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         namespace TEXT NOT NULL,     -- the state's model fingerprint
@@ -99,11 +99,11 @@ _SCHEMA = (
     ) WITHOUT ROWID""",
 )
 _TABLES = ("entries", "changes", "meta", "models", "chunks", "links", "folders")
-_ROW = "id, namespace, key, kind, cut, logits, n_state, file, size, raw_size, codec, recency"
+ENTRY_ROW = "id, namespace, key, kind, cut, logits, n_state, file, size, raw_size, codec, recency"
 
 # Changes newer than a seq, with what replaying them needs. Adds and touches join their entry: an
 # entry deleted since has no row, and its delete follows in the log.
-_REPLAY = """
+REPLAY = """
     SELECT c.seq, c.op, c.entry_id, c.key,
            e.id, e.namespace, e.key, e.kind, e.cut, e.logits, e.n_state, e.file, e.size, e.raw_size,
            e.codec, e.recency
@@ -119,7 +119,7 @@ class CacheDirectoryError(OSError):
     """
 
 
-def _create_schema(conn: sqlite3.Connection, db_path: Path) -> None:
+def create_schema(conn: sqlite3.Connection, db_path: Path) -> None:
     """Create the tables, or start them again empty when they are of an older or damaged schema.
 
     Runs in the caller's write transaction.
@@ -129,7 +129,7 @@ def _create_schema(conn: sqlite3.Connection, db_path: Path) -> None:
         sqlite3.Error: the index cannot be read or written.
     """
     version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if _is_int(version) and version > SCHEMA_VERSION:
+    if is_int(version) and version > SCHEMA_VERSION:
         raise CacheDirectoryError(
             f"{str(db_path)!r} has index schema version {version}; this llama-cache reads "
             f"{SCHEMA_VERSION} (use another directory, or upgrade llama-cache)"
@@ -143,7 +143,7 @@ def _create_schema(conn: sqlite3.Connection, db_path: Path) -> None:
         )
         for table in _TABLES:
             conn.execute(f"DROP TABLE IF EXISTS {table}")
-    for statement in _SCHEMA:
+    for statement in SCHEMA:
         conn.execute(statement)
     conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
@@ -151,7 +151,7 @@ def _create_schema(conn: sqlite3.Connection, db_path: Path) -> None:
 def _schema_ok(conn: sqlite3.Connection) -> bool:
     """Whether existing tables have the columns this version expects (absent tables are created)."""
     expected = {
-        "entries": list(_ENTRY_COLUMNS),
+        "entries": list(ENTRY_COLUMNS),
         "changes": ["seq", "op", "entry_id", "namespace", "key"],
         "meta": ["name", "value"],
         "models": ["fingerprint", "info"],
@@ -166,27 +166,37 @@ def _schema_ok(conn: sqlite3.Connection) -> bool:
     return True
 
 
-def _floor(conn: sqlite3.Connection) -> int | None:
+def log_floor(conn: sqlite3.Connection) -> int | None:
     """The change-log trim point, or None when the meta row is missing or damaged."""
     row = conn.execute("SELECT value FROM meta WHERE name = 'floor'").fetchone()
-    if row is None or not _is_int(row[0]) or row[0] < 0:
+    if row is None or not is_int(row[0]) or row[0] < 0:
         return None
     return int(row[0])
 
 
-def _maybe_trim(conn: sqlite3.Connection, seq: int) -> None:
-    """Trim the change log once it holds ``_TRIM_EVERY`` rows past the floor; repair a damaged floor."""
-    floor = _floor(conn)
+def maybe_trim(conn: sqlite3.Connection, seq: int, floor: int | None) -> int | None:
+    """Trim the change log once it holds ``_TRIM_EVERY`` rows past the floor; repair a damaged floor.
+
+    Args:
+        seq: the last row of the log.
+        floor: the trim point as the caller's view last read it (:func:`log_floor`; None: missing or
+            damaged), in step with the index (no other connection committed since).
+
+    Returns:
+        The trim point now. No statement unless the log is trimmed or the floor repaired.
+    """
     if floor is None:  # damaged: every process rebuilds once, then the log continues from here
         conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('floor', ?)", (seq,))
-    elif seq - floor >= _TRIM_EVERY:
+        return seq
+    if seq - floor >= _TRIM_EVERY:
         floor = seq - _TRIM_KEEP
         conn.execute("DELETE FROM changes WHERE seq <= ?", (floor,))
         conn.execute("UPDATE meta SET value = ? WHERE name = 'floor'", (floor,))
+    return floor
 
 
 @contextmanager
-def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
+def transaction(conn: sqlite3.Connection) -> Iterator[None]:
     """A write transaction: ``BEGIN IMMEDIATE`` takes the index's write lock up front."""
     conn.execute("BEGIN IMMEDIATE")
     try:
@@ -201,7 +211,7 @@ def _transaction(conn: sqlite3.Connection) -> Iterator[None]:
         raise
 
 
-def _delete_rows(conn: sqlite3.Connection, victims: list[_Entry]) -> tuple[list[_Entry], set[bytes]]:
+def delete_rows(conn: sqlite3.Connection, victims: list[Entry]) -> tuple[list[Entry], set[bytes]]:
     """Delete entries' rows and links, logging each delete with its key (for replaying processes).
 
     The chunks the entries linked are not freed here: pass the returned ids to
@@ -217,7 +227,7 @@ def _delete_rows(conn: sqlite3.Connection, victims: list[_Entry]) -> tuple[list[
         cursor = conn.execute(
             "INSERT INTO changes (op, entry_id, namespace, key) "
             "SELECT ?, id, namespace, key FROM entries WHERE id = ?",
-            (_DELETE, victim.id),
+            (DELETE, victim.id),
         )
         if cursor.rowcount:
             conn.execute("DELETE FROM entries WHERE id = ?", (victim.id,))

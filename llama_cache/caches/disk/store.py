@@ -1,12 +1,12 @@
-"""The disk tier's store: the directory's lock, this process's index connection and view, payload reads.
+"""The disk tier's store: the directory's lock, this process's index connection and view, the counters.
 
 :class:`DiskStore` is what :class:`~.cache.LlamaDiskCache` and its helpers (:mod:`.chunked`,
-:mod:`.checker`, :mod:`.writes`) share, so that none of them reaches into the façade: the lock (the
+:mod:`.checker`, :mod:`.reads`, :mod:`.writes`) share, so that none of them reaches into the façade: the lock (the
 process's threads and, while the index is used, the directory's other processes: :mod:`.locking`), the
 SQLite connection (opened without shared memory by :mod:`.connection`, reopened after ``fork``, when
 another process replaced or removed the index, and after moving a damaged index aside), the in-memory
-:class:`~.view._IndexView` kept in step with the change log (:meth:`DiskStore.sync`), reading and
-checking payloads against their rows (:meth:`DiskStore.load`), touches and deletes through the change
+:class:`~.view.IndexView` kept in step with the change log (:meth:`DiskStore.sync`), the data folder
+(:class:`~.payloads.DataDir`; reading entries back is :mod:`.reads`), touches and deletes through the change
 log, removing files (and the shard folders that leaves empty: :meth:`DiskStore.remove_files`), the
 instance's counters and the storage settings (``compress``, ``fsync``, ``verify``, ``chunk_tokens``,
 which the façade's attributes of the same names read and set) and its byte budget (:mod:`.budget`).
@@ -21,6 +21,8 @@ import logging
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,25 +30,22 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from llama_cache.caches.disk import budget, chunked, chunkstore
+from llama_cache.caches.disk import budget, chunkstore
+from llama_cache.caches.disk.chunkstore import BrokenChain
 from llama_cache.caches.disk.connection import IndexConnection, connect, file_identity, is_damage, move_aside
 from llama_cache.caches.disk.locking import DirectoryLock
-from llama_cache.caches.disk.payloads import DATA_DIR, _DataDir, _Unreadable
-from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int
+from llama_cache.caches.disk.payloads import DATA_DIR, DataDir, Unreadable
+from llama_cache.caches.disk.rows import BadRow, Entry, entry_from_row, is_int
 from llama_cache.caches.disk.schema import (
-    _ROW,
-    _TOUCH,
+    ENTRY_ROW,
+    TOUCH,
     INDEX_FILE,
     CacheDirectoryError,
-    _create_schema,
-    _delete_rows,
-    _transaction,
+    create_schema,
+    delete_rows,
+    transaction,
 )
-from llama_cache.caches.disk.view import _IndexView
-from llama_cache.state.chunks import KIND_CHUNKED
-from llama_cache.state.format import KIND_UPSTREAM, CorruptStateError, decode, decode_upstream, payload_kind
-from llama_cache.state.llama_state import LlamaState
-from llama_cache.state.values import can_be_cut
+from llama_cache.caches.disk.view import IndexView
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -93,12 +92,22 @@ class DiskStore:
         self.block = block
         self.shards = budget.shard_count(capacity, block)  # folders new files are spread over
         self.data_dir = cache_dir / DATA_DIR
-        self.data = _DataDir(self.data_dir)
+        self.data = DataDir(self.data_dir)
         self.db_path = cache_dir / INDEX_FILE
         self.lock = DirectoryLock(cache_dir, timeout)
-        self.view = _IndexView(self.log_bad_row, block)
+        self.view = IndexView(self.log_bad_row, block)
         # The chunk files, as of the last sync: their bytes, and in whole blocks.
         self.chunk_bytes = self.chunk_charged = 0
+        # Figures of the index kept between statements while no other connection commits (see
+        # sync): the folders table's valid rows and the page size. None: read them at the next use.
+        self._folders: dict[str, int] | None = None
+        self._page_size: int | None = None
+        # An upper bound of the index's pages as of now (None: unknown): measured, then grown by the
+        # most a store's rows can add (budget.growth_bound), so that stores far from the budget need
+        # no page count. Dropped by every write transaction but the stores' and by mark_stale.
+        self._pages_bound: int | None = None
+        # The cache folder's and data/'s own bytes, and data.folder_changes when they were measured.
+        self._top: tuple[int, int] | None = None
         self.counters = Counters()
         # Per-process state (reset after fork): the connection and what it has replayed.
         self._pid = os.getpid()
@@ -125,13 +134,13 @@ class DiskStore:
             _ABANDONED.append(self._conn)  # closing it could disturb the parent's transaction
             self._conn = None
         self._pid = os.getpid()
-        self._data_version = -1  # the in-memory index stays valid; the next sync catches up
+        self.mark_stale()  # the in-memory index stays valid; the next sync catches up
 
     # ----------------------------------------------------------------------------- keeping in step
 
     def log_bad_row(self, table: str, rowid: Any, reason: str) -> None:
         """Log a malformed row once per (table, row)."""
-        marker = (table, rowid if _is_int(rowid) else -1)
+        marker = (table, rowid if is_int(rowid) else -1)
         if marker not in self._bad_rows:
             self._bad_rows.add(marker)
             logger.warning("disk cache: ignoring malformed %s row #%s in %s: %s", table, rowid, self.db_path, reason)
@@ -144,25 +153,128 @@ class DiskStore:
             logger.warning("disk cache: index unavailable (%s)", error)
 
     def sync(self, force: bool = False) -> None:
-        """Apply the changes other connections committed since the last sync. Lock held.
+        """Apply the changes other connections committed since the last sync (with ``force``, this
+        connection's too: after a write it did not take into the view itself). Lock held.
 
-        Cheap when nothing changed: one ``PRAGMA data_version``.
+        Cheap when nothing changed: one ``PRAGMA data_version`` (which changes exactly when another
+        connection commits; this connection's own writes keep the view in step themselves: see
+        :meth:`added` and the callers of ``sync(force=True)``). A replay that fails leaves the view
+        marked out of step, so that the next sync replays again.
         """
         conn = self.connection()
         version = conn.execute("PRAGMA data_version").fetchone()[0]
         if version == self._data_version and not force:
             return
-        self._data_version = version
+        if version != self._data_version:
+            self.mark_stale()  # another connection committed: every figure is read again
+        else:
+            self._data_version = -1  # only this connection wrote: its figures stay; the view replays
         if conn.in_transaction:
             self.view.replay(conn)
             self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
-            return
-        conn.execute("BEGIN")
+        else:
+            conn.execute("BEGIN")
+            try:
+                self.view.replay(conn)
+                self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
+            finally:
+                conn.execute("COMMIT")
+        self._data_version = version
+
+    def mark_stale(self) -> None:
+        """Forget what this process knows of the index beyond its view, and mark the view for a replay
+        at the next :meth:`sync` (after a write that failed half-way, or before replaying). Lock held."""
+        self._data_version = -1
+        self._folders = None
+        self._page_size = None
+        self._pages_bound = None
+        self._top = None
+
+    def added(self, entry: Entry, tokens: npt.NDArray[np.int32]) -> None:
+        """Take into the view an entry this connection has just committed, with the only change-log row
+        its transaction wrote (its add, ``entry.recency``), the view having been in step when the
+        transaction began: what replaying that row would do, without the queries. Lock held."""
+        self.view.add(entry, tokens)
+        self.view.last_seq = entry.recency
+
+    # ------------------------------------------------------------------------------ index figures
+
+    def folder_sizes(self, conn: sqlite3.Connection) -> dict[str, int]:
+        """The recorded sizes of the shard folders (valid rows of the ``folders`` table), read once
+        and then kept in step by :meth:`record_folders` until another connection commits. Lock held;
+        in the caller's transaction. Do not modify the returned mapping."""
+        if self._folders is None:
+            self._folders = budget.read_folders(conn)
+        return self._folders
+
+    def record_folders(self, conn: sqlite3.Connection, sizes: dict[str, int], gone: set[str]) -> None:
+        """Record measured folder sizes and forget folders found missing, writing only the rows that
+        change (most stores change none). Lock held; in the caller's write transaction (whose
+        failure must be followed by :meth:`mark_stale`)."""
+        known = self.folder_sizes(conn)
+        changed = {name: nbytes for name, nbytes in sizes.items() if known.get(name) != nbytes}
+        missing = set(gone)
+        if changed or missing:
+            budget.record_folders(conn, changed, gone=missing)
+            known.update(changed)
+            for name in missing:
+                known.pop(name, None)
+
+    def top_bytes(self) -> int:
+        """The cache folder's and ``data/``'s own bytes (:func:`.budget.top_bytes`), measured again only
+        when this process made or removed a shard folder or another one committed since (two ``lstat``
+        calls then): other changes to those two folders' sizes are what the budget cannot see. Lock held."""
+        changes = self.data.folder_changes
+        if self._top is None or self._top[0] != changes:
+            self._top = (changes, budget.top_bytes(self))
+        return self._top[1]
+
+    def page_size(self, conn: sqlite3.Connection) -> int:
+        """The index's page size, read once per connection (and again after another one committed)."""
+        if self._page_size is None:
+            self._page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        return self._page_size
+
+    def index_bytes(self, conn: sqlite3.Connection) -> int:
+        """Bytes of the index file as of the caller's transaction (:func:`.budget.index_bytes`): one
+        ``PRAGMA page_count`` and a ``stat``. Lock held; the last statement of a store's transaction
+        that changes the index (the page count it measures is then this connection's bound)."""
+        pages, nbytes = budget.index_size(conn, self.block, self.db_path, self.page_size(conn))
+        self._pages_bound = pages
+        return nbytes
+
+    def index_bound(self, conn: sqlite3.Connection, grown: int) -> int | None:
+        """An upper bound of the index's bytes once a store's rows, which can add at most ``grown``
+        pages (:func:`.budget.growth_bound`), are written, without counting pages; None when no bound
+        is known. Taking it makes it this connection's bound. Lock held, in a store's transaction."""
+        if self._pages_bound is None:
+            return None
+        self._pages_bound += grown
+        return budget.index_bytes_of(self._pages_bound, self.page_size(conn), self.block, self.db_path)
+
+    @contextmanager
+    def transaction(self, keeps_bound: bool = False) -> Iterator[IndexConnection]:
+        """A write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``) on this process's connection. Lock held.
+
+        Args:
+            keeps_bound: the transaction keeps the bound of the index's pages up to date itself
+                (a store's, a touch's, a delete's: they end by counting or bounding the pages); any
+                other drops it.
+
+        On failure (rolled back) the view and figures are marked for a replay (:meth:`mark_stale`).
+
+        Raises:
+            sqlite3.Error: the index is unavailable, or a statement failed.
+        """
+        conn = self.connection()
+        if not keeps_bound:
+            self._pages_bound = None
         try:
-            self.view.replay(conn)
-            self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
-        finally:
-            conn.execute("COMMIT")
+            with transaction(conn):
+                yield conn
+        except BaseException:
+            self.mark_stale()
+            raise
 
     # ------------------------------------------------------------------------------- connection
 
@@ -254,7 +366,7 @@ class DiskStore:
             raise CacheDirectoryError(
                 error.errno, f"cannot move the damaged disk cache index {str(self.db_path)!r} aside: {error.strerror}"
             ) from None
-        self._data_version = -1
+        self.mark_stale()
         if aside is None:
             return  # another process moved it first
         self.counters.index_resets += 1
@@ -264,8 +376,8 @@ class DiskStore:
         )
 
     def _prepare(self, conn: IndexConnection) -> None:
-        with _transaction(conn):
-            _create_schema(conn, self.db_path)
+        with transaction(conn):
+            create_schema(conn, self.db_path)
         try:
             if budget.make_shrinkable(conn):
                 logger.info("disk cache: converted %s to incremental auto-vacuum (it can shrink now)", self.db_path)
@@ -279,62 +391,12 @@ class DiskStore:
             self.chunk_bytes, self.chunk_charged = chunkstore.stored_bytes(conn, self.block)
         finally:
             conn.execute("COMMIT")
+        self.mark_stale()  # a new connection: its figures are read again when needed
         self._data_version = conn.execute("PRAGMA data_version").fetchone()[0]
 
     # ----------------------------------------------------------------------------------- entries
 
-    def load(self, entry: _Entry, key: npt.NDArray[np.int32] | None, upto: int | None = None) -> Any:
-        """Read, decode and check an entry's payload. No lock needed: payload files never change.
-
-        Args:
-            entry: a validated entry.
-            key: its key (None: do not compare the state's tokens with it).
-            upto: return only the state of the first ``upto`` tokens (a cuttable entry's; None: all).
-
-        Raises:
-            _Unreadable: the file is missing, not a regular file, has the wrong length, does not
-                decode, or does not hold what its row says.
-            chunked.BrokenChain: a chunked entry's links or chunks are.
-        """
-        if entry.kind == KIND_CHUNKED:
-            return chunked.load(self, entry, key, upto)
-        state = self._load_whole(entry, key)
-        if upto is not None and isinstance(state, LlamaState) and state.layout is not None:
-            return state.prefix(upto, None)
-        return state
-
-    def _load_whole(self, entry: _Entry, key: npt.NDArray[np.int32] | None) -> Any:
-        """Read an entry stored whole (a payload file)."""
-        buffer = self.data.read(entry.file, entry.size, entry.codec, entry.raw_size)
-        try:
-            kind = payload_kind(buffer)
-            if kind != entry.kind:
-                raise _Unreadable(f"payload of kind {kind}, the index says {entry.kind}")
-            if kind == KIND_UPSTREAM:
-                state, namespace = decode_upstream(buffer, verify=self.verify)
-                fingerprint = getattr(state, "fingerprint", None)
-                cut, logits = True, bool(np.any(state.scores))
-                held: npt.NDArray[Any] = state.input_ids[: state.n_tokens]
-                if fingerprint is not None and fingerprint != namespace:
-                    raise _Unreadable("payload's fingerprint differs from its namespace")
-            else:
-                state = decode(buffer, verify=self.verify)
-                namespace, cut, logits, held = state.fingerprint, can_be_cut(state), state.logits is not None, state.tokens
-        except _Unreadable:
-            raise
-        except CorruptStateError as error:
-            raise _Unreadable(f"corrupt payload: {error}") from None
-        except Exception as error:  # noqa: BLE001 - odd bytes past the checksum must stay a miss
-            raise _Unreadable(f"undecodable payload: {type(error).__name__}: {error}") from None
-        if namespace != entry.namespace:
-            raise _Unreadable("payload belongs to another model than its index entry")
-        if cut != entry.cut or logits != entry.logits or len(held) != entry.n_state:
-            raise _Unreadable("payload does not hold what its index entry says")
-        if key is not None and (len(key) != entry.n_key or not np.array_equal(held[: len(key)], key)):
-            raise _Unreadable("payload does not hold the tokens of its key")
-        return state
-
-    def forget_unreadable(self, entry: _Entry, problem: _Unreadable) -> None:
+    def forget_unreadable(self, entry: Entry, problem: Unreadable) -> None:
         """Remove an entry whose payload could not be loaded, unless another process already did."""
         with self.lock:
             self.sync()
@@ -343,7 +405,7 @@ class DiskStore:
             logger.warning("disk cache: dropping entry %s (%s): %s", entry.id, entry.file, problem)
             self.delete([entry])
 
-    def forget_broken_chunk(self, entry: _Entry, broken: chunked.BrokenChain) -> None:
+    def forget_broken_chunk(self, entry: Entry, broken: BrokenChain) -> None:
         """Remove a damaged chunk and every entry linking it, unless the chain changed meanwhile.
 
         A chunk freed or absorbed by another process between reading the links and opening the file
@@ -372,19 +434,21 @@ class DiskStore:
             )
             self.delete(victims)
 
-    def touch(self, entry_id: int, hit: bool = True) -> None:
+    def touch(self, entry_id: int, hit: bool = True) -> bool:
         """Make an entry the most recently used, for every process. Lock held; errors are logged.
 
         Should the change log's row take the index over the budget (a new page), least recently used
         entries are evicted in the same transaction.
+
+        Returns:
+            Whether the entry was there to touch (False also when the index is unavailable).
         """
-        conn = self.connection()
         try:
-            with _transaction(conn):
+            with self.transaction(keeps_bound=True) as conn:
                 before = budget.index_pages(conn)
                 cursor = conn.execute(
                     "INSERT INTO changes (op, entry_id) SELECT ?, id FROM entries WHERE id = ?",
-                    (_TOUCH, entry_id),
+                    (TOUCH, entry_id),
                 )
                 if cursor.rowcount:
                     conn.execute(
@@ -394,11 +458,12 @@ class DiskStore:
                 evicted, freed = self._fit_grown_index(conn, before, {entry_id})
         except sqlite3.Error as error:
             logger.warning("disk cache: could not record a hit: %s", error)
-            return
+            return False
         self.sync_or_log(force=True)
         self.remove_files([victim.file for victim in evicted] + [file for file, _ in freed])
+        return cursor.rowcount > 0
 
-    def delete(self, victims: list[_Entry]) -> list[_Entry]:
+    def delete(self, victims: list[Entry]) -> list[Entry]:
         """Delete entries in one transaction, then unlink their files. Lock held; errors are logged.
 
         Should logging the deletes take the index over the budget, least recently used entries are
@@ -410,10 +475,9 @@ class DiskStore:
         if not victims:
             return []
         try:
-            conn = self.connection()
-            with _transaction(conn):
+            with self.transaction(keeps_bound=True) as conn:
                 before = budget.index_pages(conn)
-                deleted, linked = _delete_rows(conn, victims)
+                deleted, linked = delete_rows(conn, victims)
                 freed = chunkstore.release(conn, linked)
                 evicted, also_freed = self._fit_grown_index(conn, before, {victim.id for victim in victims})
         except sqlite3.Error as error:
@@ -425,13 +489,15 @@ class DiskStore:
 
     def _fit_grown_index(
         self, conn: sqlite3.Connection, before: int, keep: set[int]
-    ) -> tuple[list[_Entry], list[tuple[str, int]]]:
+    ) -> tuple[list[Entry], list[tuple[str, int]]]:
         """In a write transaction that may have grown the index past ``before`` pages: evict least
         recently used entries (not in ``keep``) until the directory fits the budget again. Lock held.
 
         Costs one pragma when the index did not grow.
         """
-        if budget.index_pages(conn) <= before:
+        pages = budget.index_pages(conn)
+        if pages <= before:
+            self._pages_bound = pages  # exact: the transaction writes nothing after this
             return [], []
         self.sync(force=True)  # in the transaction: the view is the index as this transaction leaves it
         evicted, freed, _ = budget.evict_to_fit(self, conn, self.capacity, budget.files_bytes(self, conn), keep)
@@ -459,10 +525,9 @@ class DiskStore:
         instead). Takes the lock; errors are logged."""
         with self.lock:
             try:
-                conn = self.connection()
-                with _transaction(conn):
+                with self.transaction() as conn:
                     still = self.data.folder_sizes(folders)
-                    budget.record_folders(conn, still, gone=folders - still.keys())
+                    self.record_folders(conn, still, gone=folders - still.keys())
             except sqlite3.Error as error:
                 logger.warning("disk cache: could not record removed folders: %s", error)
 
@@ -472,8 +537,8 @@ class DiskStore:
         per folder; errors are logged."""
         with self.lock:
             try:
-                conn = self.connection()
-                with _transaction(conn):
+                with self.transaction() as conn:
+                    self._folders = self._top = None
                     budget.replace_folders(conn, self.data.folder_sizes())
             except sqlite3.Error as error:
                 logger.warning("disk cache: could not measure the folders: %s", error)
@@ -487,17 +552,17 @@ class DiskStore:
         self.sync()
         conn = self.connection()
         return (
-            self.view.charged + self.chunk_charged + budget.index_bytes(conn, self.block, self.db_path)
-            + budget.top_bytes(self) + budget.folder_bytes(conn)
+            self.view.charged + self.chunk_charged + self.index_bytes(conn)
+            + budget.top_bytes(self) + sum(self.folder_sizes(conn).values())
         )
 
-    def valid_rows(self, order: str = "recency") -> list[tuple[_Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:
+    def valid_rows(self, order: str = "recency") -> list[tuple[Entry, npt.NDArray[np.int32], tuple[Any, ...]]]:
         """Every valid row of the entries table with its extra columns (created, accessed, hits). Lock held."""
         out = []
-        for row in self.connection().execute(f"SELECT {_ROW}, created, accessed, hits FROM entries ORDER BY {order}"):
+        for row in self.connection().execute(f"SELECT {ENTRY_ROW}, created, accessed, hits FROM entries ORDER BY {order}"):
             try:
-                entry, tokens = _entry_from_row(row[:12])
-            except _BadRow as problem:
+                entry, tokens = entry_from_row(row[:12])
+            except BadRow as problem:
                 self.log_bad_row("entries", row[0], str(problem))
                 continue
             out.append((entry, tokens, row[12:]))

@@ -1,11 +1,11 @@
 """This process's picture of a disk cache's index: the entries, their keys, LRU order and bytes.
 
-:class:`_IndexView` holds one :class:`~llama_cache.index.RadixIndex` per (namespace, cut) pair, the
+:class:`IndexView` holds one :class:`~llama_cache.index.RadixIndex` per (namespace, cut) pair, the
 entries by id, their LRU order and the sum of their sizes (exact, and in whole blocks as the byte budget
 charges them: :mod:`.budget`), as of change-log row ``last_seq``. It is kept
-equal to the index by :meth:`_IndexView.replay` (the rows of the ``changes`` table past ``last_seq``)
-or, when the log was trimmed past it or does not agree with the entries, :meth:`_IndexView.rebuild`
-(from the ``entries`` table). Lookups (:meth:`_IndexView.best`, :meth:`_IndexView.exact`) never touch
+equal to the index by :meth:`IndexView.replay` (the rows of the ``changes`` table past ``last_seq``)
+or, when the log was trimmed past it or does not agree with the entries, :meth:`IndexView.rebuild`
+(from the ``entries`` table). Lookups (:meth:`IndexView.best`, :meth:`IndexView.exact`) never touch
 SQLite. Rows are validated by :mod:`.rows`; one that does not validate is reported through the
 ``log_bad_row`` function and skipped.
 
@@ -25,14 +25,14 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.disk.budget import charge
-from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int, _tokens
-from llama_cache.caches.disk.schema import _ADD, _DELETE, _REPLAY, _ROW, _TOUCH, _floor
+from llama_cache.caches.disk.rows import BadRow, Entry, entry_from_row, is_int, key_tokens
+from llama_cache.caches.disk.schema import ADD, DELETE, REPLAY, ENTRY_ROW, TOUCH, log_floor
 from llama_cache.index import Match, RadixIndex
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
 
-class _IndexView:
+class IndexView:
     """The entries of the index as this process last saw them.
 
     Args:
@@ -41,22 +41,23 @@ class _IndexView:
     """
 
     def __init__(self, log_bad_row: Callable[[str, Any, str], None], block: int = 1) -> None:
-        self.indexes: dict[tuple[str, bool], RadixIndex[_Entry]] = {}
-        self.entries: dict[int, _Entry] = {}
+        self.indexes: dict[tuple[str, bool], RadixIndex[Entry]] = {}
+        self.entries: dict[int, Entry] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()  # entry ids, least recently used first
         self.bytes = 0  # the entries' file sizes
         self.charged = 0  # the same in whole blocks
         self.block = block
         self.last_seq = 0  # the last change-log row applied
+        self.floor: int | None = None  # the change log's trim point as last read (None: damaged)
         self._log_bad_row = log_bad_row
 
-    def _count(self, entry: _Entry, sign: int) -> None:
+    def _count(self, entry: Entry, sign: int) -> None:
         self.bytes += sign * entry.size
         self.charged += sign * charge(entry.size, self.block)
 
-    def best(self, query: npt.NDArray[np.int32], namespace: str | None) -> Match[_Entry] | None:
+    def best(self, query: npt.NDArray[np.int32], namespace: str | None) -> Match[Entry] | None:
         """The match answering ``query`` from ``namespace`` (None: any), most recent on ties."""
-        best: Match[_Entry] | None = None
+        best: Match[Entry] | None = None
         rank = (-1, 0)
         for (filed, cut), index in self.indexes.items():
             if namespace is not None and filed != namespace:
@@ -66,7 +67,7 @@ class _IndexView:
                 best, rank = match, (match.common, match.value.recency)
         return best
 
-    def exact(self, namespace: str, tokens: npt.NDArray[np.int32]) -> _Entry | None:
+    def exact(self, namespace: str, tokens: npt.NDArray[np.int32]) -> Entry | None:
         """The entry stored under exactly ``tokens`` in ``namespace``."""
         for cut in (True, False):
             index = self.indexes.get((namespace, cut))
@@ -77,51 +78,52 @@ class _IndexView:
 
     def replay(self, conn: sqlite3.Connection) -> None:
         """Apply the change log past ``last_seq``, or rebuild when it was trimmed or is out of step."""
-        floor = _floor(conn)
+        floor = log_floor(conn)
         if floor is None or self.last_seq < floor:
             self.rebuild(conn)
             return
+        self.floor = floor
         try:
             self._replay_rows(conn)
-        except (_BadRow, ValueError, TypeError, KeyError, IndexError) as error:
+        except (BadRow, ValueError, TypeError, KeyError, IndexError) as error:
             logger.warning("disk cache: change log out of step with the entries (%s); rebuilding", error)
             self.rebuild(conn)
 
     def _replay_rows(self, conn: sqlite3.Connection) -> None:
-        for row in conn.execute(_REPLAY, (self.last_seq,)):
+        for row in conn.execute(REPLAY, (self.last_seq,)):
             seq, op, entry_id, del_key = row[:4]
-            if not _is_int(seq) or not _is_int(entry_id) or op not in (_ADD, _TOUCH, _DELETE):
+            if not is_int(seq) or not is_int(entry_id) or op not in (ADD, TOUCH, DELETE):
                 self._log_bad_row("changes", seq, "unknown operation or entry")
-                if _is_int(seq):
+                if is_int(seq):
                     self.last_seq = seq
                 continue
-            if op == _ADD:
+            if op == ADD:
                 if row[4] is not None and entry_id not in self.entries:
                     try:
-                        entry, tokens = _entry_from_row(row[4:])
-                    except _BadRow as problem:
+                        entry, tokens = entry_from_row(row[4:])
+                    except BadRow as problem:
                         self._log_bad_row("entries", entry_id, str(problem))
                     else:
                         entry.recency = seq
                         self.add(entry, tokens)
-            elif op == _TOUCH:
+            elif op == TOUCH:
                 entry = self.entries.get(entry_id)
                 if entry is not None and row[4] is not None:
                     key = row[6]
                     if not isinstance(key, bytes) or len(key) != 4 * entry.n_key:
-                        raise _BadRow(f"entry {entry_id} changed its key")
+                        raise BadRow(f"entry {entry_id} changed its key")
                     entry.recency = seq
                     self.lru.move_to_end(entry_id)
-                    self.indexes[(entry.namespace, entry.cut)].touch(_tokens(key))
+                    self.indexes[(entry.namespace, entry.cut)].touch(key_tokens(key))
             else:
                 entry = self.entries.get(entry_id)
                 if entry is not None:
                     if not isinstance(del_key, bytes) or len(del_key) != 4 * entry.n_key:
-                        raise _BadRow(f"the delete of entry {entry_id} names another key")
-                    tokens = _tokens(del_key)
+                        raise BadRow(f"the delete of entry {entry_id} names another key")
+                    tokens = key_tokens(del_key)
                     index = self.indexes[(entry.namespace, entry.cut)]
                     if index.get(tokens) is not entry:
-                        raise _BadRow(f"the delete of entry {entry_id} names another key")
+                        raise BadRow(f"the delete of entry {entry_id} names another key")
                     self.entries.pop(entry_id)
                     del self.lru[entry_id]
                     self._count(entry, -1)
@@ -130,7 +132,7 @@ class _IndexView:
                         del self.indexes[(entry.namespace, entry.cut)]
             self.last_seq = seq
 
-    def add(self, entry: _Entry, tokens: npt.NDArray[np.int32]) -> None:
+    def add(self, entry: Entry, tokens: npt.NDArray[np.int32]) -> None:
         """Add a validated entry under ``tokens``, dropping any other entry of its namespace there."""
         # One key per namespace (the UNIQUE constraint): an entry of the other cut kind under the same
         # key can only be a stale or forged row; the newer one wins.
@@ -150,7 +152,7 @@ class _IndexView:
         self.lru[entry.id] = None
         self._count(entry, 1)
 
-    def drop(self, entry: _Entry, tokens: npt.NDArray[np.int32]) -> None:
+    def drop(self, entry: Entry, tokens: npt.NDArray[np.int32]) -> None:
         """Remove an entry held under ``tokens``."""
         index = self.indexes[(entry.namespace, entry.cut)]
         index.remove(tokens)
@@ -167,14 +169,14 @@ class _IndexView:
         self.lru = OrderedDict()
         self.bytes = self.charged = 0
         row = conn.execute("SELECT max(seq) FROM changes").fetchone()
-        self.last_seq = row[0] if row and _is_int(row[0]) else 0
-        floor = _floor(conn)
+        self.last_seq = row[0] if row and is_int(row[0]) else 0
+        floor = self.floor = log_floor(conn)
         if floor is not None and floor > self.last_seq:
             self.last_seq = floor
-        for row in conn.execute(f"SELECT {_ROW} FROM entries ORDER BY recency"):
+        for row in conn.execute(f"SELECT {ENTRY_ROW} FROM entries ORDER BY recency"):
             try:
-                entry, tokens = _entry_from_row(row)
-            except _BadRow as problem:
+                entry, tokens = entry_from_row(row)
+            except BadRow as problem:
                 self._log_bad_row("entries", row[0], str(problem))
                 continue
             self.add(entry, tokens)

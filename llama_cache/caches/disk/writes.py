@@ -25,8 +25,9 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.disk import budget, chunked, chunkstore
-from llama_cache.caches.disk.rows import _is_int, _key_blob, _key_hash, _state_cap
-from llama_cache.caches.disk.schema import _ADD, _DELETE, _delete_rows, _maybe_trim, _transaction
+from llama_cache.caches.disk.payloads import new_name
+from llama_cache.caches.disk.rows import Entry, is_int, key_blob, key_hash, state_cap
+from llama_cache.caches.disk.schema import ADD, DELETE, delete_rows, maybe_trim
 from llama_cache.caches.disk.store import DiskStore
 from llama_cache.state.chunks import KIND_CHUNKED, encode_head
 from llama_cache.state.format import KIND_UPSTREAM, encode, encode_upstream, encoded_size
@@ -59,14 +60,16 @@ def store_state(
             return bool(np.any(np.asarray(value.scores)))
         return value.logits is not None
 
-    # A store that would only rewrite what is there touches the entry instead (decided in memory).
+    # A store that would only rewrite what is there touches the entry instead (decided in memory, from
+    # the view as last synced: should another process have replaced or removed the entry since, the
+    # touch finds nothing and the state is stored; should it have stored the same state, the commit
+    # replaces it, as it syncs under the write lock).
     try:
         with store.lock:
-            store.sync()
             old = store.view.exact(namespace, tokens)
             if old is not None and old.kind == kind and old.n_state == n_state and (old.logits or not has_logits()):
-                store.touch(old.id, hit=False)
-                return
+                if store.touch(old.id, hit=False):
+                    return
     except sqlite3.Error as error:
         with store.lock:
             store.counters.write_errors += 1
@@ -85,18 +88,18 @@ def store_state(
         return
     raw_size = encoded_size(parts)
     cut = kind == KIND_UPSTREAM or can_be_cut(value)
-    if raw_size > _state_cap(len(tokens)):
+    if raw_size > state_cap(len(tokens)):
         with store.lock:
             store.counters.store_errors += 1
         logger.warning(
             "disk cache: not caching a %d-byte state for %d tokens: above the %d bytes any reader accepts",
-            raw_size, len(tokens), _state_cap(len(tokens)),
+            raw_size, len(tokens), state_cap(len(tokens)),
         )
         return
     if store.compress is None and raw_size > capacity:
         _reject(store, capacity, namespace, tokens, raw_size)
         return
-    name = chunked.new_name(store.shards)
+    name = new_name(store.shards)
     try:
         size = store.data.write(name, parts, store.compress, store.fsync)
     except OSError as error:
@@ -141,7 +144,7 @@ def _store_chunked(
             return
         head = encode_head(state, chain.chunk_tokens)
         raw_size = encoded_size(head)
-        name = chunked.new_name(store.shards)
+        name = new_name(store.shards)
         try:
             chunked.write_chunks(store, state, namespace, chain)
             size = store.data.write(name, head, store.compress, store.fsync)
@@ -161,19 +164,27 @@ def _commit(
     """Commit a written payload (and chunks): replace the same key, evict LRU entries until the
     directory fits ``capacity``, then unlink the files nothing names any more.
 
+    One ``BEGIN IMMEDIATE`` transaction. A whole-state store that replaces nothing and evicts nothing
+    (the common case) costs six statements: the transaction's two, ``PRAGMA data_version`` (the view
+    is in step unless another process committed meanwhile; then its changes are replayed), the
+    ``entries`` and ``changes`` rows, and ``PRAGMA page_count`` for the budget; the view takes the new
+    entry in memory after the commit (:meth:`.store.DiskStore.added`). The folders' sizes are
+    measured (a ``stat`` each) and written only when one changed. Replacing, evicting, chunks and
+    repairs add the statements they need, and a replay of the log after the commit.
+
     Returns:
         False when a chunk ``chain`` counted on is gone (nothing committed, the files written are
         removed: plan again), else True (committed, rejected or failed and logged).
     """
-    blob = _key_blob(tokens)
+    blob = key_blob(tokens)
     now = time.time()
+    codec = "raw" if store.compress is None else "zlib"
     unused: list[str] = []  # files written by this store that another store's rows made redundant
     freed: list[tuple[str, int]] = []
     with store.lock:
         try:
-            conn = store.connection()
-            with _transaction(conn):
-                store.sync(force=True)  # under the write lock: the local view equals the index
+            with store.transaction(keeps_bound=True) as conn:
+                store.sync()  # under the write lock: the local view equals the index
                 unlinked: set[bytes] = set()
                 if chain is not None:
                     for chunk in chain.written:
@@ -189,57 +200,52 @@ def _commit(
                 hits = 0
                 if old is not None:
                     found = conn.execute("SELECT hits FROM entries WHERE id = ?", (old.id,)).fetchone()
-                    hits = found[0] if found is not None and _is_int(found[0]) and found[0] >= 0 else 0
-                victims, linked = _delete_rows(conn, [old] if old is not None else [])
+                    hits = found[0] if found is not None and is_int(found[0]) and found[0] >= 0 else 0
+                victims, linked = delete_rows(conn, [old] if old is not None else [])
                 unlinked |= linked
-                # A malformed row holding this key (not in memory) would break UNIQUE: it goes too.
-                key_hash = _key_hash(blob)
-                for (stale,) in conn.execute(
-                    "SELECT id FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, key_hash)
-                ).fetchall():
-                    conn.execute("INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_DELETE, stale))
-                    conn.execute("DELETE FROM entries WHERE id = ?", (stale,))
-                    unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (stale,)))
-                    conn.execute("DELETE FROM links WHERE entry_id = ?", (stale,))
-                cursor = conn.execute(
-                    "INSERT INTO entries (namespace, key, key_hash, kind, cut, logits, n_state, file, size, "
-                    "raw_size, codec, created, accessed, recency, hits) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                    (namespace, blob, key_hash, *row, name, size, raw_size,
-                     "raw" if store.compress is None else "zlib", now, now, hits),
-                )
-                entry_id = cursor.lastrowid
-                assert entry_id is not None  # set by every INSERT
-                # Links left under this id by a damaged index (ids are not reused otherwise) go.
-                unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (entry_id,)))
-                conn.execute("DELETE FROM links WHERE entry_id = ?", (entry_id,))
+                values = (namespace, blob, key_hash(blob), *row, name, size, raw_size, codec, now, now, hits)
+                try:
+                    entry_id = _insert_entry(conn, values)
+                    repaired = False
+                except sqlite3.IntegrityError:
+                    # A malformed row holding this key (not in memory) breaks UNIQUE: it goes too.
+                    unlinked |= _delete_stale(conn, namespace, values[2])
+                    entry_id = _insert_entry(conn, values)
+                    repaired = True
                 if chain is not None:
+                    # Links left under this id by a damaged index (ids are not reused otherwise) go.
+                    unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (entry_id,)))
+                    conn.execute("DELETE FROM links WHERE entry_id = ?", (entry_id,))
                     chunkstore.link(conn, entry_id, chain.ids)
                 freed += chunkstore.release(conn, unlinked)
+                # The change log's row takes the seq the entry's recency was given (both the next one).
                 seq = conn.execute(
-                    "INSERT INTO changes (op, entry_id) VALUES (?, ?)", (_ADD, entry_id)
+                    "INSERT INTO changes (seq, op, entry_id) VALUES ((SELECT recency FROM entries WHERE id = ?), ?, ?)",
+                    (entry_id, ADD, entry_id),
                 ).lastrowid
                 assert seq is not None
-                conn.execute("UPDATE entries SET recency = ? WHERE id = ?", (seq, entry_id))
-                _maybe_trim(conn, seq)
+                store.view.floor = maybe_trim(conn, seq, store.view.floor)
                 # The folders this store wrote into, as they are now (they may have grown).
                 files_written = [name] + ([chunk.file for chunk in chain.written] if chain is not None else [])
                 written = {file.partition("/")[0] for file in files_written}
                 sizes = store.data.folder_sizes(written)
-                budget.record_folders(conn, sizes, gone=written - sizes.keys())
+                store.record_folders(conn, sizes, gone=written - sizes.keys())
                 # Evict least recently used entries until the directory fits.
                 block = store.block
+                chunk_charge = chunkstore.stored_bytes(conn, block)[1] if chain is not None or freed else store.chunk_charged
                 files = store.view.charged - (budget.charge(old.size, block) if old is not None else 0)
-                files += budget.charge(size, block) + chunkstore.stored_bytes(conn, block)[1]
+                files += budget.charge(size, block) + chunk_charge
+                # Far from the budget, a whole-state store needs no page count (see budget.growth_bound).
+                grown = budget.growth_bound(len(blob), store.page_size(conn)) if chain is None else None
                 gone, released, fits = budget.evict_to_fit(
-                    store, conn, capacity, files, {old.id} if old is not None else set()
+                    store, conn, capacity, files, {old.id} if old is not None else set(), grown
                 )
                 if not fits:
                     raise _TooBig
                 victims += gone
                 freed += released
                 evicted = len(gone)
-        except (_ChunkGone, _TooBig, sqlite3.Error) as error:
+        except (_ChunkGone, _TooBig, sqlite3.Error) as error:  # rolled back (and the view marked stale)
             store.remove_files([name])
             if chain is not None:
                 chunked.discard(store, chain)
@@ -254,10 +260,52 @@ def _commit(
             return True
         store.counters.evictions += evicted
         store.counters.writes += 1
-        store.sync_or_log(force=True)  # committed; on failure the next operation catches up
+        if chain is None and not victims and not freed and not repaired:
+            kind, cut, logits, n_state = row
+            entry = Entry(entry_id, namespace, size, raw_size, name, codec, seq, kind, bool(cut), bool(logits),
+                          n_state, len(tokens))
+            store.added(entry, tokens)
+        else:
+            store.sync_or_log(force=True)  # committed; on failure the next operation catches up
     # Only now that no committed row names them.
     store.remove_files([victim.file for victim in victims] + [file for file, _ in freed] + unused)
     return True
+
+
+def _insert_entry(conn: sqlite3.Connection, values: tuple[Any, ...]) -> int:
+    """Insert an entry's row, its recency the seq its change-log row will take (the next one, as
+    ``AUTOINCREMENT`` would choose it: past both the largest seq ever used and the largest present).
+
+    Raises:
+        sqlite3.IntegrityError: a row with the same namespace and key exists.
+    """
+    cursor = conn.execute(
+        "INSERT INTO entries (namespace, key, key_hash, kind, cut, logits, n_state, file, size, raw_size, codec, "
+        "created, accessed, hits, recency) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+        "max(COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'changes'), 0), "
+        "COALESCE((SELECT max(seq) FROM changes), 0)) + 1)",
+        values,
+    )
+    entry_id = cursor.lastrowid
+    assert entry_id is not None  # set by every INSERT
+    return entry_id
+
+
+def _delete_stale(conn: sqlite3.Connection, namespace: str, digest: bytes) -> set[bytes]:
+    """Delete the rows holding a key that the view does not hold (malformed ones), logging the deletes.
+
+    Returns:
+        The chunks they linked (to release).
+    """
+    unlinked: set[bytes] = set()
+    for (stale,) in conn.execute(
+        "SELECT id FROM entries WHERE namespace = ? AND key_hash = ?", (namespace, digest)
+    ).fetchall():
+        conn.execute("INSERT INTO changes (op, entry_id) VALUES (?, ?)", (DELETE, stale))
+        conn.execute("DELETE FROM entries WHERE id = ?", (stale,))
+        unlinked.update(r[0] for r in conn.execute("SELECT chunk FROM links WHERE entry_id = ?", (stale,)))
+        conn.execute("DELETE FROM links WHERE entry_id = ?", (stale,))
+    return unlinked
 
 
 def _reject(store: DiskStore, capacity: int, namespace: str, tokens: npt.NDArray[np.int32], size: int) -> None:

@@ -1,0 +1,249 @@
+"""Moving chunk values to and from Redis at the socket's speed: framed in place, read in place.
+
+**Stores** (:func:`set_chunks`): each chunk is framed (:func:`~llama_cache.caches.redis_frames.encode_frame`)
+into one buffer reused for the next, right after room for its ``SET`` command's RESP header, which is
+written just before it: one ``sendall`` per chunk, no copy by redis-py's command packer, no value held
+but the one being sent. Replies are read after the last chunk: one round trip per node.
+
+**Lookups** (:func:`fetch`): every command for a node is packed into one write, and the replies are read
+straight from the socket into one preallocated buffer per node; bulk replies come back as memoryviews
+of it (redis-py's reply parser would copy each value twice: into its buffer, then into a new ``bytes``).
+This needs connections that can read in place
+(:class:`~llama_cache.caches.redis_client.InPlaceReads`, which
+:func:`~llama_cache.caches.redis_client.connect` makes); any other client (a caller's own) takes
+redis-py's pipelines instead, with the same results. A bulk reply longer than the caller's bound,
+or anything but a bulk, integer, simple-string or error reply, is a protocol error: the connection is
+dropped and the remaining replies of that node are that error (the caller sees misses, never a wrong
+value).
+
+**Clusters**: commands are grouped by the node holding their key, every node is sent its commands before
+any reply is read, and a node that fails (lost, timing out, refusing) gives its commands' replies as the
+exception while the others answer (as :func:`~llama_cache.caches.redis_client.pipelined`). A reply
+saying a slot moved refreshes the slot table for the next call.
+
+Stateless; thread-safe as redis-py's connection pools are (each call takes its own connections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import redis
+import redis.cluster
+
+from llama_cache.caches import redis_keys
+from llama_cache.caches.redis_client import InPlaceReads, pipelined
+from llama_cache.caches.redis_frames import encode_frame, frame_size, layer_stacks
+from llama_cache.state.chunks import Piece
+from llama_cache.state.kv_layout import KVLayout, KVSegment
+
+__all__ = ["fetch", "pack", "set_chunks"]
+
+RESP_ROOM = 128  # room for a SET command's RESP header before a chunk in the store buffer
+CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
+_LINE = 1024  # the longest reply line (a bulk's length, an error message) read
+_READ = 1 << 20  # bytes asked of the socket per read
+
+
+def pack(*args: bytes | str | int) -> bytes:
+    """One command in RESP, ready to send."""
+    parts = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
+
+
+class _Protocol(redis.ResponseError):
+    """A reply this reader does not take (too long, or of another type): the connection is dropped."""
+
+
+def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk: int) -> list[Any]:
+    """The replies to ``commands`` (each ``(its key, its arguments)``), one round trip per node.
+
+    Bulk replies are memoryviews into one buffer per node (kept alive by them), at most ``max_bulk``
+    bytes each; nil replies None, integers int, simple strings bytes, errors (a failing node's
+    commands too) the exception. Memory: one buffer per node of about ``max_bulk`` per command.
+
+    Never raises for a failing node (its replies are the exception).
+    """
+    replies: list[Any] = [None] * len(commands)
+    groups: list[tuple[Any, list[int]]] = []  # (connection pool, positions)
+    if isinstance(client, redis.cluster.RedisCluster):
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for at, (key, _) in enumerate(commands):
+            try:
+                node = client.get_node_from_key(key)
+            except redis.exceptions.RedisClusterException as error:  # its slot is covered by no node
+                replies[at] = error
+                continue
+            by_node.setdefault(node.name, (client.get_redis_connection(node).connection_pool, []))[1].append(at)
+        groups = list(by_node.values())
+    elif commands:
+        groups = [(client.connection_pool, list(range(len(commands))))]
+    if not all(issubclass(pool.connection_class, InPlaceReads) for pool, _ in groups):
+        return pipelined(client, commands, strict=False)  # a caller's own client
+    taken: list[tuple[Any, Any, list[int], bytes]] = []
+    try:
+        for pool, positions in groups:
+            try:
+                connection = pool.get_connection()  # (connects, when the pool has no idle connection)
+            except (redis.RedisError, OSError) as error:
+                for at in positions:
+                    replies[at] = error
+                continue
+            taken.append((pool, connection, positions, b"".join(pack(*commands[at][1]) for at in positions)))
+        sent = [_send(connection, packed) for _, connection, _, packed in taken]
+        for (_, connection, positions, packed), failure in zip(taken, sent):
+            answers = _read_group(connection, positions, commands, packed, max_bulk, failure)
+            for at, answer in zip(positions, answers):
+                replies[at] = answer
+    finally:
+        for pool, connection, _, _ in taken:
+            pool.release(connection)
+    if isinstance(client, redis.cluster.RedisCluster) and any(
+            isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK")) for reply in replies):
+        client.nodes_manager.initialize()
+    return replies
+
+
+def _send(connection: Any, packed: bytes) -> Exception | None:
+    """Send ``packed``; the failure, if any (the connection is then dropped)."""
+    try:
+        connection.send_packed_command([packed], check_health=False)
+    except (redis.RedisError, OSError) as error:
+        connection.disconnect()
+        return error
+    return None
+
+
+def _read_group(connection: Any, positions: list[int], commands: Sequence[tuple[Any, tuple[Any, ...]]],
+                packed: bytes, max_bulk: int, failure: Exception | None) -> list[Any]:
+    """The replies of one node's commands (already sent, unless ``failure``); one retry on a new
+    connection when the first turns out broken before any reply (the server restarted)."""
+    for attempt in range(2):
+        if failure is None:
+            try:
+                return _read_replies(connection, len(positions), max_bulk)
+            except _Fresh as broken:
+                failure = broken.error
+            except (redis.RedisError, OSError) as error:
+                connection.disconnect()
+                return [error] * len(positions)
+        connection.disconnect()
+        if attempt or not isinstance(failure, redis.ConnectionError) or isinstance(failure, redis.TimeoutError):
+            break
+        failure = _send(connection, packed)
+    assert failure is not None
+    return [failure] * len(positions)
+
+
+class _Fresh(Exception):
+    """The connection broke before any reply: the commands may be sent again."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _read_replies(connection: InPlaceReads, count: int, max_bulk: int) -> list[Any]:
+    """``count`` replies read from ``connection``'s socket into one buffer.
+
+    Raises:
+        _Fresh: the connection broke before the first reply's first byte.
+        redis.RedisError: it broke later (the connection must be dropped).
+    """
+    buffer = np.empty(count * (max_bulk + 32) + _LINE, dtype=np.uint8)
+    view = memoryview(buffer)
+    filled = position = 0
+    replies: list[Any] = []
+
+    def more() -> None:
+        nonlocal filled
+        if filled >= len(buffer):
+            raise _Protocol("reply longer than expected")
+        try:
+            filled += connection.recv_into(view[filled : min(len(buffer), filled + max(_READ, 2 * max_bulk))])
+        except redis.ConnectionError as error:
+            if filled == 0 and not isinstance(error, redis.TimeoutError):
+                raise _Fresh(error) from error
+            raise
+
+    try:
+        while len(replies) < count:
+            while True:
+                end = bytes(view[position : min(filled, position + _LINE)]).find(b"\r\n")
+                if end >= 0:
+                    break
+                if filled - position >= _LINE:
+                    raise _Protocol("reply line too long")
+                more()
+            kind, line = view[position], bytes(view[position + 1 : position + end])
+            position += end + 2
+            if kind == ord("$"):
+                length = int(line)
+                if length == -1:
+                    replies.append(None)
+                    continue
+                if not 0 <= length <= max_bulk:
+                    raise _Protocol("bulk reply longer than expected")
+                while filled < position + length + 2:
+                    more()
+                replies.append(view[position : position + length])
+                position += length + 2
+            elif kind == ord(":"):
+                replies.append(int(line))
+            elif kind == ord("+"):
+                replies.append(line)
+            elif kind == ord("-"):
+                replies.append(redis.ResponseError(line.decode("utf-8", "replace")))
+            else:
+                raise _Protocol("unexpected reply type")
+    except ValueError as error:  # a length or integer that is not one
+        raise _Protocol(f"bad reply: {error}") from None
+    return replies
+
+
+def set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Sequence[KVSegment],
+               new: Sequence[Piece]) -> dict[bytes, int]:
+    """``SET`` the chunks ``new`` (their value size by id), in one round trip per node.
+
+    Memory: one chunk's value, whatever the state's size.
+
+    Raises:
+        redis.RedisError, redis.exceptions.RedisClusterException, OSError: a node failed (its
+            connection is dropped: replies may be left unread).
+    """
+    frame = np.empty(RESP_ROOM + frame_size(layout, max(piece.n_tokens for piece in new)) + 2, dtype=np.uint8)
+    stacks = [layer_stacks(segment) for segment in segments]
+    sizes: dict[bytes, int] = {}
+    sent: dict[int, tuple[Any, Any, list[int]]] = {}  # pool id -> (pool, connection, [commands sent])
+    try:
+        for piece in new:
+            key = redis_keys.chunk_key(piece.id)
+            pool = (client.get_redis_connection(client.get_node_from_key(key)) if isinstance(client, redis.cluster.RedisCluster)
+                    else client).connection_pool
+            if id(pool) not in sent:
+                sent[id(pool)] = (pool, pool.get_connection(), [0])
+            _, connection, count = sent[id(pool)]
+            size = len(encode_frame(fingerprint, piece, layout, segments, frame[RESP_ROOM:-2], stacks))
+            command = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, size)
+            start, end = RESP_ROOM - len(command), RESP_ROOM + size
+            frame[start:RESP_ROOM] = np.frombuffer(command, dtype=np.uint8)
+            frame[end : end + 2] = CRLF
+            connection.send_packed_command([memoryview(frame)[start : end + 2]], check_health=False)
+            count[0] += 1
+            sizes[piece.id] = size
+        for _, connection, count in sent.values():
+            for _ in range(count[0]):
+                connection.read_response()
+    except BaseException:
+        for _, connection, _ in sent.values():
+            connection.disconnect()
+        raise
+    finally:
+        for pool, connection, _ in sent.values():
+            pool.release(connection)
+    return sizes
