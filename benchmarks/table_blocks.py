@@ -135,6 +135,8 @@ def _scale_verdict(target: dict[str, Any]) -> str:
 # Caches: lookups and index memory (benchmarks/lookup.py) -----------------------------------------
 
 LOOKUP_CACHES = {"llama_cache.LlamaRAMCache": "ours, `LlamaRAMCache`", "llama_cache.LlamaTrieCache": "ours, `LlamaTrieCache`",
+                 "llama_cache.LlamaRAMCache, numpy query": "ours, `LlamaRAMCache`, int32 numpy query",
+                 "llama_cache.LlamaTrieCache, numpy query": "ours, `LlamaTrieCache`, int32 numpy query",
                  "llama_cpp.LlamaRAMCache": "llama-cpp-python's `LlamaRAMCache`"}
 LOOKUP_TARGETS = {"lookup_under_1000us_at_10000": "a lookup under 1 ms at 10,000 entries",
                   "speedup_at_least_1000x_at_10000": "at least 1,000x faster than llama-cpp-python's at 10,000 entries",
@@ -171,8 +173,8 @@ def lookup(results: Results) -> str:
     workload = run["workload"]
     return "\n\n".join([
         f"Keys of about 2,000 tokens (conversations on {workload['system_prompts']} shared system prompts); "
-        "queries as Python lists, a third each a stored key plus new tokens, a key diverging in its middle, "
-        f"and a miss; median of {workload['our_repetitions']} repetitions for ours and "
+        "queries as Python lists (ours also as int32 numpy arrays), a third each a stored key plus new tokens, "
+        f"a key diverging in its middle, and a miss; median of {workload['our_repetitions']} repetitions for ours and "
         f"{workload['their_repetitions']} for llama-cpp-python's linear scan. Memory is what building the "
         "cache leaves allocated (tracemalloc), per stored token.",
         table(["entries", "cache", "lookup, median", "faster than llama-cpp-python's", "index bytes per token"], rows),

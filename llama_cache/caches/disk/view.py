@@ -28,6 +28,7 @@ from llama_cache.caches.disk.budget import charge
 from llama_cache.caches.disk.rows import _BadRow, _Entry, _entry_from_row, _is_int, _tokens
 from llama_cache.caches.disk.schema import _ADD, _DELETE, _REPLAY, _ROW, _TOUCH, _floor
 from llama_cache.index import Match, RadixIndex
+from llama_cache.tokens import Tokens
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -54,8 +55,9 @@ class _IndexView:
         self.bytes += sign * entry.size
         self.charged += sign * charge(entry.size, self.block)
 
-    def best(self, query: npt.NDArray[np.int32], namespace: str | None) -> Match[_Entry] | None:
-        """The match answering ``query`` from ``namespace`` (None: any), most recent on ties."""
+    def best(self, query: Tokens, namespace: str | None) -> Match[_Entry] | None:
+        """The match answering ``query`` (best a :class:`~llama_cache.tokens.CheckedTokens`: checked once,
+        not once per index) from ``namespace`` (None: any), most recent on ties."""
         best: Match[_Entry] | None = None
         rank = (-1, 0)
         for (filed, cut), index in self.indexes.items():
