@@ -320,9 +320,30 @@ def bench(results: Results) -> str:
              f"{ratio(entry['theirs_ratio'])} ({entry['theirs_entries']:.0f} entry)"],
             [f"saving a state after {entry['save_new_tokens']:.0f} new tokens", f"{num(entry['ours_save_ms'], 1)} ms",
              f"{num(entry['theirs_save_ms'], 1)} ms"],
+            *_save_state_rows(entry),
         ]),
+        *_save_state_verdicts(entry),
         conditions(run),
     ])
+
+
+def _save_state_rows(entry: dict[str, Any]) -> list[list[str]]:
+    """The ``save_state()`` rows, when the run measured them."""
+    if "ours_save_state_ratio" not in entry:
+        return []
+    return [
+        [f"`save_state()` of {entry['save_state_tokens']:,.0f} tokens on a restored history, bytes against "
+         "llama.cpp's sequence state", ratio(entry["ours_save_state_ratio"]), ratio(entry["theirs_save_state_ratio"])],
+        ["restoring that state, against its canonical twin (CPU time)", ratio(entry["save_state_restore_ratio"]), "-"],
+    ]
+
+
+def _save_state_verdicts(entry: dict[str, Any]) -> list[str]:
+    if "ours_save_state_ratio" not in entry:
+        return []
+    return ["The script's verdicts:\n\n"
+            f"- `save_state()` holds at most 1.10x llama.cpp's bytes: {verdict(entry['ours_save_state_ratio'] <= 1.10)}\n"
+            f"- and restores within 1.3x of canonical: {verdict(entry['save_state_restore_ratio'] <= 1.3)}"]
 
 
 # Serving: structured outputs, the engine (benchmarks/constraints.py) -----------------------------

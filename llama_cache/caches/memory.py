@@ -221,7 +221,9 @@ class IndexedMemoryCache(BaseLlamaCache):
 
         A value larger than the whole budget is not stored (and any state it would replace is
         dropped), so that after ``cache[key] = value`` the key maps to ``value`` or to nothing.
-        Least recently used entries are evicted until the budget holds. A value that reports no size is
+        Least recently used entries are evicted until the budget holds. A restore copy the value is only
+        offered (:meth:`~llama_cache.state.llama_state.LlamaState.adopt_restore_copy`: what
+        ``Llama.save_state`` hands over) is adopted first, and charged like one it holds. A value that reports no size is
         not stored either: logged and counted in ``stats().store_errors``, never raised, so a completion
         storing its state never fails because of the cache.
 
@@ -230,6 +232,9 @@ class IndexedMemoryCache(BaseLlamaCache):
         """
         tokens = filing_key(as_token_array(key), value).copy()
         tokens.setflags(write=False)
+        adopt = getattr(value, "adopt_restore_copy", None)
+        if callable(adopt):
+            adopt()  # a restore copy the state is only offered: kept, and charged, from now on
         try:
             blocks = memory_blocks(value)
         except (TypeError, ValueError) as error:
