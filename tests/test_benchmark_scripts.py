@@ -117,4 +117,5 @@ def test_lookup_runs_from_a_checkout_that_is_not_installed(tmp_path: Path) -> No
     report = json.loads(out.read_text())
     assert [size["entries"] for size in report["sizes"]] == [10]
     assert report["machine"]["llama_cache"] is not None
-    assert set(report["targets"]) == {"llama_cache.LlamaRAMCache", "llama_cache.LlamaTrieCache"}
+    assert set(report["targets"]) == {"llama_cache.LlamaRAMCache", "llama_cache.LlamaTrieCache",
+                                      "llama_cache.LlamaRAMCache, numpy query", "llama_cache.LlamaTrieCache, numpy query"}
