@@ -21,7 +21,8 @@ Workload (seeded, so every run sees the same tokens; ids in 0..49151):
 * Queries, as Python lists (what llama-cpp-python's ``Llama`` passes), three kinds in equal numbers:
   ``stored+suffix`` (a stored key plus 100-300 new tokens), ``diverging`` (a stored key cut somewhere in
   its middle half, then new tokens up to its length) and ``miss`` (random tokens starting with a token no
-  stored key starts with).
+  stored key starts with). Ours are also asked the same queries as int32 numpy arrays (the rows
+  "numpy query"), which they take without a copy or a per-token conversion.
 * Values: tiny objects (``nbytes = llama_state_size = 1``) and a capacity far above their sum, so nothing
   is ever evicted and only the lookup structures are measured.
 
@@ -98,6 +99,12 @@ OURS_RAM = "llama_cache.LlamaRAMCache"
 OURS_TRIE = "llama_cache.LlamaTrieCache"
 THEIRS = "llama_cpp.LlamaRAMCache"
 CACHE_NAMES = (OURS_RAM, OURS_TRIE, THEIRS)
+NUMPY = ", numpy query"
+OURS_RAM_NUMPY = OURS_RAM + NUMPY
+OURS_TRIE_NUMPY = OURS_TRIE + NUMPY
+# What is timed: each built cache with list queries, and ours again with the same queries as int32 arrays.
+TIMED = (OURS_RAM, OURS_TRIE, THEIRS, OURS_RAM_NUMPY, OURS_TRIE_NUMPY)
+OURS = (OURS_RAM, OURS_TRIE, OURS_RAM_NUMPY, OURS_TRIE_NUMPY)
 RESULTS = Path(__file__).resolve().parent / "results" / "lookup.json"
 
 Tokens = npt.NDArray[np.int32]
@@ -118,6 +125,11 @@ class State:
 class Query:
     kind: str
     tokens: list[int]
+    array: Tokens  # the same tokens as an int32 array, for the numpy query rows
+
+    @classmethod
+    def of(cls, kind: str, tokens: list[int]) -> Query:
+        return cls(kind, tokens, np.array(tokens, dtype=np.int32))
 
 
 @dataclass
@@ -135,10 +147,10 @@ class Timings:
     """Lookup times in nanoseconds per cache and query kind."""
 
     ns: dict[str, dict[str, list[int]]] = field(
-        default_factory=lambda: {name: {kind: [] for kind in KINDS} for name in CACHE_NAMES}
+        default_factory=lambda: {name: {kind: [] for kind in KINDS} for name in TIMED}
     )
     hits: dict[str, dict[str, int]] = field(
-        default_factory=lambda: {name: dict.fromkeys(KINDS, 0) for name in CACHE_NAMES}
+        default_factory=lambda: {name: dict.fromkeys(KINDS, 0) for name in TIMED}
     )
 
 
@@ -194,17 +206,17 @@ def make_queries(rng: np.random.Generator, keys: Sequence[Tokens]) -> list[Query
     for _ in range(QUERIES_PER_KIND):
         key = keys[int(rng.integers(len(keys)))]
         suffix = random_tokens(rng, SUFFIX_TOKENS)
-        queries.append(Query("stored+suffix", key.tolist() + suffix.tolist()))
+        queries.append(Query.of("stored+suffix", key.tolist() + suffix.tolist()))
     for _ in range(QUERIES_PER_KIND):
         key = keys[int(rng.integers(len(keys)))]
         cut = int(rng.integers(len(key) // 4, 3 * len(key) // 4))
         tail = rng.integers(0, VOCAB, size=len(key) - cut, dtype=np.int32)
         tail[0] = fresh_token(rng, int(key[cut]))
-        queries.append(Query("diverging", key[:cut].tolist() + tail.tolist()))
+        queries.append(Query.of("diverging", key[:cut].tolist() + tail.tolist()))
     for _ in range(QUERIES_PER_KIND):
         tokens = rng.integers(0, VOCAB, size=DISJOINT_TOKENS, dtype=np.int32)
         tokens[0] = fresh_token(rng, firsts)
-        queries.append(Query("miss", tokens.tolist()))
+        queries.append(Query.of("miss", tokens.tolist()))
     return queries
 
 
@@ -289,7 +301,7 @@ def build_caches(keys: Sequence[Tokens], label: str) -> dict[str, Built]:
 # ------------------------------------------------------------------------------------------ timing
 
 
-def lookup_ns(cache: Any, tokens: list[int]) -> tuple[int, State | None]:
+def lookup_ns(cache: Any, tokens: list[int] | Tokens) -> tuple[int, State | None]:
     start = time.perf_counter_ns()
     try:
         value = cache[tokens]
@@ -309,7 +321,9 @@ def check_answer(name: str, query: Query, value: State | None, answers: dict[str
     answers[name] = value
     if name == OURS_TRIE and value is not None:
         assert common_prefix(value.input_ids, query.tokens) == len(value.input_ids), "trie: not a prefix"
-    if len(answers) == len(CACHE_NAMES):
+    if name.endswith(NUMPY) and name.removesuffix(NUMPY) in answers:
+        assert value is answers[name.removesuffix(NUMPY)], f"{query.kind}: numpy and list queries disagree"
+    if len(answers) == len(TIMED):
         ours, theirs = answers[OURS_RAM], answers[THEIRS]
         assert (ours is None) == (theirs is None), f"{query.kind}: hit/miss disagree"
         if ours is not None and theirs is not None:
@@ -322,21 +336,22 @@ def time_lookups(built: dict[str, Built], queries: Sequence[Query], label: str) 
     """Interleaved timing: per query, the caches back to back in an order rotating with the query."""
     timings = Timings()
     for query in queries:  # warm-up, untimed, every cache alike
-        for name in CACHE_NAMES:
-            lookup_ns(built[name].cache, query.tokens)
-    total = len(queries) * (2 * OUR_REPS + THEIR_REPS)
+        for name in TIMED:
+            lookup_ns(built[name.removesuffix(NUMPY)].cache, query.array if name.endswith(NUMPY) else query.tokens)
+    total = len(queries) * (len(OURS) * OUR_REPS + THEIR_REPS)
     gc.collect()
     gc.disable()
     try:
         with tqdm(total=total, desc=f"timing {label}", unit="lookup", file=sys.stderr) as bar:
             for rep in range(OUR_REPS):
                 for index, query in enumerate(queries):
-                    shift = (rep + index) % len(CACHE_NAMES)
+                    shift = (rep + index) % len(TIMED)
                     answers: dict[str, State | None] = {}
-                    for name in CACHE_NAMES[shift:] + CACHE_NAMES[:shift]:
+                    for name in TIMED[shift:] + TIMED[:shift]:
                         if name == THEIRS and rep >= THEIR_REPS:
                             continue
-                        ns, value = lookup_ns(built[name].cache, query.tokens)
+                        tokens = query.array if name.endswith(NUMPY) else query.tokens
+                        ns, value = lookup_ns(built[name.removesuffix(NUMPY)].cache, tokens)
                         timings.ns[name][query.kind].append(ns)
                         if rep == 0:
                             timings.hits[name][query.kind] += value is not None
@@ -360,7 +375,8 @@ def summarize_size(
     stored_tokens = int(sum(len(key) for key in keys))
     theirs_all = [ns for kind in KINDS for ns in timings.ns[THEIRS][kind]]
     caches: dict[str, Any] = {}
-    for name in CACHE_NAMES:
+    for name in TIMED:
+        item = built[name.removesuffix(NUMPY)]
         per_kind = timings.ns[name]
         everything = [ns for kind in KINDS for ns in per_kind[kind]]
         row: dict[str, Any] = {
@@ -369,15 +385,16 @@ def summarize_size(
             "median_us": median_us(everything),
             "median_us_by_kind": {kind: median_us(per_kind[kind]) for kind in KINDS},
             "hits_by_kind": timings.hits[name],
-            "traced_bytes": built[name].traced_bytes,
-            "traced_bytes_per_token": built[name].traced_bytes / stored_tokens,
+            "query_type": "numpy int32 array" if name.endswith(NUMPY) else "list[int]",
+            "traced_bytes": item.traced_bytes,
+            "traced_bytes_per_token": item.traced_bytes / stored_tokens,
         }
         if name != THEIRS:
             row["speedup_vs_theirs"] = median_us(theirs_all) / row["median_us"]
             row["speedup_vs_theirs_by_kind"] = {
                 kind: median_us(timings.ns[THEIRS][kind]) / row["median_us_by_kind"][kind] for kind in KINDS
             }
-            index_bytes = built[name].index_bytes
+            index_bytes = item.index_bytes
             assert index_bytes is not None
             row["index_bytes"] = index_bytes
             row["index_bytes_per_token"] = index_bytes / stored_tokens
@@ -406,9 +423,11 @@ def check_targets(sizes: list[dict[str, Any]], disjoint: dict[str, Any]) -> dict
     largest = max(sizes, key=lambda size: size["entries"])
     entries = largest["entries"]
     targets: dict[str, Any] = {}
-    for name in (OURS_RAM, OURS_TRIE):
-        row = largest["caches"][name]
-        index_per_token = disjoint["caches"][name]["index_bytes_per_token"]
+    for name in OURS:
+        row = largest["caches"].get(name)
+        if row is None:  # a result from before the numpy rows
+            continue
+        index_per_token = disjoint["caches"][name.removesuffix(NUMPY)]["index_bytes_per_token"]
         targets[name] = {
             f"lookup_under_{LOOKUP_TARGET_US:.0f}us_at_{entries}": row["median_us"] < LOOKUP_TARGET_US,
             f"speedup_at_least_{SPEEDUP_TARGET:.0f}x_at_{entries}": (
@@ -422,16 +441,17 @@ def check_targets(sizes: list[dict[str, Any]], disjoint: dict[str, Any]) -> dict
 
 
 def print_latency(sizes: list[dict[str, Any]]) -> None:
-    print("Lookup latency: median microseconds per cache[query] (queries are Python lists of ~2,000 tokens)")
+    print("Lookup latency: median microseconds per cache[query] (queries: Python lists of ~2,000 tokens; "
+          "the numpy rows: the same as int32 arrays)")
     print(f"  ours timed {OUR_REPS} repetitions, llama-cpp-python {THEIR_REPS} (its lookup scans every key);")
     print(f"  {QUERIES_PER_KIND} queries per kind; speedup = llama-cpp-python median / ours, same run")
-    header = f"{'entries':>7}  {'cache':<26} {'reps':>4} {'median':>10}"
+    header = f"{'entries':>7}  {'cache':<39} {'reps':>4} {'median':>10}"
     header += "".join(f" {kind:>13}" for kind in KINDS) + f" {'speedup':>9}  hits (a/b/c)"
     print(header)
     for size in sizes:
-        for name in CACHE_NAMES:
+        for name in TIMED:
             row = size["caches"][name]
-            line = f"{size['entries']:>7,}  {name:<26} {row['repetitions']:>4} {row['median_us']:>10.1f}"
+            line = f"{size['entries']:>7,}  {name:<39} {row['repetitions']:>4} {row['median_us']:>10.1f}"
             line += "".join(f" {row['median_us_by_kind'][kind]:>13.1f}" for kind in KINDS)
             speedup = f"{row['speedup_vs_theirs']:>8.0f}x" if "speedup_vs_theirs" in row else f"{'-':>9}"
             hits = "/".join(str(row["hits_by_kind"][kind]) for kind in KINDS)
@@ -462,7 +482,7 @@ def print_targets(targets: dict[str, Any]) -> None:
     print("Targets")
     for name, checks in targets.items():
         for check, met in checks.items():
-            print(f"  {name:<26} {check:<42} {'MET' if met else 'NOT MET'}")
+            print(f"  {name:<39} {check:<42} {'MET' if met else 'NOT MET'}")
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -513,7 +533,7 @@ def main(argv: list[str] | None = None) -> None:
             "turn_tokens": TURN_TOKENS,
             "suffix_tokens": SUFFIX_TOKENS,
             "query_kinds": KINDS,
-            "query_type": "list[int]",
+            "query_type": "list[int]; ours also numpy int32 arrays (the rows ending in ', numpy query')",
             "our_repetitions": OUR_REPS,
             "their_repetitions": THEIR_REPS,
             "gc_disabled_while_timing": True,

@@ -45,17 +45,17 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import finish, machine, write  # noqa: E402
-from benchmarks.serve import (  # noqa: E402
+from benchmarks.servers import (  # noqa: E402
     DEFAULT_LLAMA_SERVER,
     REPO,
     Settings,
-    _commands,
-    _find_llama_server,
-    _free_port,
-    _server,
-    _text,
+    filler_text,
+    find_llama_server,
+    free_port,
     llama_server_version,
     rotation,
+    running_server,
+    server_command,
 )
 from benchmarks.sse import read_stream  # noqa: E402
 from llama_cache import default_model_path  # noqa: E402
@@ -82,8 +82,8 @@ class Workload:
     def make(cls, steps: int, system_words: int, observation_words: int, max_tokens: int) -> Workload:
         rng = random.Random(20261201)
         instructions = ("You are an agent that reads tool results and decides the next step. "
-                        + _text(rng, system_words))
-        return cls(instructions, [f"Tool result {i + 1}: {_text(rng, observation_words)}" for i in range(steps)],
+                        + filler_text(rng, system_words))
+        return cls(instructions, [f"Tool result {i + 1}: {filler_text(rng, observation_words)}" for i in range(steps)],
                    max_tokens)
 
 
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "responses_agent.json")
     args = parser.parse_args(argv)
     model = default_model_path()
-    llama_server = _find_llama_server()
+    llama_server = find_llama_server()
     sides = [side for side in args.sides.split(",") if side]
     unknown = sorted(set(sides) - set(SIDES))
     if unknown:
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "sides": {side: LABELS[side] for side in sides}, "commands": {}, "runs": {}}
     for round_number in range(args.rounds):
         for side in rotation(sides, round_number):
-            command = _commands(SERVER_OF[side], model, settings, _free_port(), llama_server)
+            command = server_command(SERVER_OF[side], model, settings, free_port(), llama_server)
             assert command is not None
             port = int(command[command.index("--port") + 1])
             results["commands"][side] = command
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             print(f"round {round_number + 1}/{args.rounds}: {side}...", file=sys.stderr, flush=True)
             load = os.getloadavg()[0]
-            with _server(command, port, env, log) as url:  # a fresh server: no run starts with another's cache
+            with running_server(command, port, env, log) as url:  # a fresh server: no run starts with another's cache
                 steps = run_side(side, url, workload)
             results["runs"].setdefault(side, []).append({
                 "round": round_number, "load_average": [round(load, 2), round(os.getloadavg()[0], 2)],

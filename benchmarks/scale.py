@@ -18,7 +18,7 @@ for N = 1, 2, 3 (``--instances``), each behind Debian's nginx with the configura
 show (:class:`llama_cache.testing.deployment.Nginx`: round-robin, ``proxy_next_upstream``), plus one
 ``add_header X-Upstream $upstream_addr`` so that the client knows which instance served each response.
 Both servers get the same model, context size (``--n-ctx``), threads, batch and flash attention, with the
-flags ``benchmarks/serve.py`` gives them (``_commands``).
+flags ``benchmarks/servers.py`` gives them (``server_command``).
 
 Workload: ``--conversations`` conversations (2), each on a system document of its own of
 ``--system-tokens`` tokens (1,500: turn 1 is cold for every conversation), ``--turns`` questions (4),
@@ -73,17 +73,17 @@ from typing import Any
 
 import httpx
 
-from benchmarks.serve import (
+from benchmarks.servers import (
     DEFAULT_LLAMA_SERVER,
     REPO,
     Settings,
-    _cache_metrics,
-    _commands,
-    _find_llama_server,
-    _text,
+    cache_metrics,
+    filler_text,
+    find_llama_server,
     llama_server_version,
-    machine,
+    server_command,
 )
+from benchmarks.machine import machine
 from benchmarks.sse import read_stream
 from llama_cache import default_model_path
 from llama_cache.server.config import on_off
@@ -165,7 +165,7 @@ def documents(model: Path, conversations: int, tokens: int) -> list[str]:
     for number in range(conversations):
         text = f"Notes number {number + 1}, to read before answering."
         while len(vocab.tokenize(text.encode(), add_bos=False)) < tokens:
-            text += " " + _text(rng, 12)
+            text += " " + filler_text(rng, 12)
         texts.append(text)
     return texts
 
@@ -234,8 +234,8 @@ def converse(url: str, upstreams: list[str], texts: list[str], turns: int, max_t
 
 
 def _command(server: str, model: Path, settings: Settings, llama_server: Path | None) -> list[str]:
-    """``benchmarks/serve.py``'s command for ``server`` without its ``--port`` (ServeProcess adds one)."""
-    command = _commands(server, model, settings, 0, llama_server)
+    """``benchmarks/servers.py``'s command for ``server`` without its ``--port`` (ServeProcess adds one)."""
+    command = server_command(server, model, settings, 0, llama_server)
     assert command is not None
     at = command.index("--port")
     return command[:at] + command[at + 2:]
@@ -274,7 +274,7 @@ def run_setup(setup: Setup, model: Path, settings: Settings, llama_server: Path 
         for index, instance in enumerate(instances):
             served = [m for m in measures if m.instance == index]
             if setup.server == "llama-cache":
-                counters = _cache_metrics(instance.url) or {}
+                counters = cache_metrics(instance.url) or {}
                 prompt = counters.get("llama_cache_prompt_tokens_total", 0.0)
                 cached = counters.get("llama_cache_prompt_tokens_cached_total", 0.0)
             else:
@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("at least 2 turns, 1 round and 1 conversation")
     started = time.perf_counter()
     model = default_model_path()
-    llama_server = _find_llama_server()
+    llama_server = find_llama_server()
     servers = [name for name in args.servers.split(",") if name]
     if "llama-server" in servers and llama_server is None:
         print(f"llama-server: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "

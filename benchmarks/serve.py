@@ -73,15 +73,10 @@ import argparse
 import os
 import random
 import secrets
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,18 +84,25 @@ from typing import Any
 import httpx
 
 from benchmarks.machine import finish, machine, write
+from benchmarks.servers import (
+    DEFAULT_LLAMA_SERVER,
+    REPO,
+    Settings,
+    cache_metrics,
+    filler_text,
+    find_llama_server,
+    free_port,
+    llama_server_version,
+    percentile,
+    rotation,
+    running_server,
+    serve_takes_api_key,
+    server_command,
+)
 from benchmarks.sse import read_stream
 from llama_cache import default_model_path
-from llama_cache.server.config import N_BATCH, on_off, physical_cores
+from llama_cache.server.config import on_off, physical_cores
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_LLAMA_SERVER = Path.home() / ".cache" / "llama-cache" / "llama-server" / "llama-server"
-WORDS = (
-    "river stone market winter garden lantern harbor copper meadow signal engine orchard valley letter "
-    "thunder ribbon castle window bridge candle forest silver planet mirror island anchor feather "
-    "compass velvet marble canyon blossom quarry glacier beacon timber saddle harvest falcon pepper "
-    "ladder cotton violin desert shadow cradle summit walnut lagoon sparrow tunnel meadowlark"
-).split()
 QUESTIONS = [
     "Summarise the document above in one sentence.",
     "Which word appears most often in it?",
@@ -109,16 +111,6 @@ QUESTIONS = [
     "Is the document cheerful or sad?",
     "List two nouns from the document.",
 ]
-
-
-def _text(rng: random.Random, words: int) -> str:
-    sentences = []
-    while words > 0:
-        n = min(words, rng.randint(8, 16))
-        sentence = " ".join(rng.choice(WORDS) for _ in range(n))
-        sentences.append(sentence[0].upper() + sentence[1:] + ".")
-        words -= n
-    return " ".join(sentences)
 
 
 @dataclass
@@ -131,8 +123,8 @@ class Workload:
     @classmethod
     def make(cls, users: int, turns: int, max_tokens: int, system_words: int, document_words: int) -> Workload:
         rng = random.Random(20261130)
-        system = "You are a careful assistant who answers questions about documents. " + _text(rng, system_words)
-        return cls(system, [_text(rng, document_words) for _ in range(users)], turns, max_tokens)
+        system = "You are a careful assistant who answers questions about documents. " + filler_text(rng, system_words)
+        return cls(system, [filler_text(rng, document_words) for _ in range(users)], turns, max_tokens)
 
 
 @dataclass
@@ -148,12 +140,6 @@ class Measure:
 class Conversation:
     messages: list[dict[str, str]]
     measures: list[Measure] = field(default_factory=list)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _ask(client: httpx.Client, url: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[str, float, float, bool]:
@@ -218,10 +204,10 @@ def run_workload(url: str, workload: Workload, concurrency: int,
     return {
         "concurrency": concurrency,
         "requests": len(measures),
-        "ttft_first_p50": _percentile(first, 50),
-        "ttft_first_p95": _percentile(first, 95),
-        "ttft_later_p50": _percentile(later, 50),
-        "ttft_later_p95": _percentile(later, 95),
+        "ttft_first_p50": percentile(first, 50),
+        "ttft_first_p95": percentile(first, 95),
+        "ttft_later_p50": percentile(later, 50),
+        "ttft_later_p95": percentile(later, 95),
         "ttft_later_mean": statistics.fmean(later) if later else None,
         "whole_run_s": elapsed,
         "interrupted_streams": sum(1 for m in measures if not m.completed),
@@ -230,120 +216,6 @@ def run_workload(url: str, workload: Workload, concurrency: int,
         "each": [{"user": m.user, "turn": m.turn, "ttft": round(m.ttft, 4), "total": round(m.total, 4)}
                  for m in sorted(measures, key=lambda m: (m.turn, m.user))],
     }
-
-
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    k = (len(values) - 1) * q / 100
-    low = int(k)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (k - low)
-
-
-@contextmanager
-def _server(command: list[str], port: int, env: dict[str, str], log: Path,
-            headers: dict[str, str] | None = None) -> Iterator[str]:
-    """The server's URL once ``/v1/models`` answers 200 (asked with ``headers``); SIGTERM at the end."""
-    url = f"http://127.0.0.1:{port}"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited with {process.returncode}; see {log}")
-            try:
-                if httpx.get(url + "/v1/models", headers=headers, timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{command[0]} did not start; see {log}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What every server is given alike."""
-
-    n_ctx: int
-    parallel: int
-    threads: int
-    flash_attn: bool
-    n_batch: int = N_BATCH
-
-
-def _commands(name: str, model: Path, settings: Settings, port: int, llama_server: Path | None,
-              api_key: str | None = None) -> list[str] | None:
-    """The command starting server ``name``; ``api_key``: given to the servers that take one (``*-key``)."""
-    s = settings
-    if name in ("llama-cache", "llama-cache-key"):
-        key = ["--api-key", api_key] if name == "llama-cache-key" and api_key else []
-        return [sys.executable, "-m", "llama_cache.cli", "serve", "--model", str(model), "--port", str(port),
-                "--n-ctx", str(s.n_ctx), "--parallel", str(s.parallel), "--threads", str(s.threads),
-                "--flash-attn", "on" if s.flash_attn else "off", *key]  # batch: always N_BATCH
-    if name == "llama-cpp-python":
-        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
-                "--n_ctx", str(s.n_ctx), "--cache", "true", "--n_threads", str(s.threads),
-                "--n_threads_batch", str(s.threads), "--n_batch", str(s.n_batch), "--n_ubatch", str(s.n_batch),
-                "--flash_attn", str(s.flash_attn).lower(), "--logits_all", "false"]
-    if name == "llama-cpp-python-defaults":  # what its users get: only the context size and the cache set
-        return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
-                "--n_ctx", str(s.n_ctx), "--cache", "true"]
-    if name == "llama-server":
-        if llama_server is None:
-            return None
-        # -c is the whole KV cache, split between the -np slots: each slot holds n_ctx tokens.
-        return [str(llama_server), "-m", str(model), "--port", str(port), "-c", str(s.n_ctx * s.parallel),
-                "-np", str(s.parallel), "-t", str(s.threads), "-tb", str(s.threads), "-b", str(s.n_batch),
-                "-ub", str(s.n_batch), "-fa", "on" if s.flash_attn else "off", "--no-webui"]
-    raise ValueError(name)
-
-
-def _cache_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float] | None:
-    """llama-cache's own counters after a run (prompt tokens requested and not evaluated, cache hits)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        response = httpx.get(url + "/metrics", headers=headers, timeout=30)
-    except httpx.TransportError:
-        return None
-    if response.status_code != 200 or "llama_cache_prompt_tokens_total" not in response.text:
-        return None
-    wanted = {"llama_cache_prompt_tokens_total", "llama_cache_prompt_tokens_cached_total",
-              "llama_cache_cache_hits_total", "llama_cache_cache_misses_total", "llama_cache_generation_tokens_total"}
-    return {sample.name: sample.value for family in text_string_to_metric_families(response.text)
-            for sample in family.samples if sample.name in wanted}
-
-
-def _find_llama_server() -> Path | None:
-    candidate = Path(os.environ.get("LLAMA_SERVER", DEFAULT_LLAMA_SERVER))
-    return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
-
-
-def _serve_takes_api_key(env: dict[str, str]) -> bool:
-    """Whether this checkout's ``llama-cache serve`` has ``--api-key`` (its help says so; nothing is loaded)."""
-    done = subprocess.run([sys.executable, "-m", "llama_cache.cli", "serve", "--help"], env=env,
-                          capture_output=True, text=True, timeout=120)
-    return "--api-key" in done.stdout
-
-
-def llama_server_version(llama_server: Path | None) -> str | None:
-    """``llama-server --version``'s line naming its build (its llama.cpp commit), or None."""
-    if llama_server is None:
-        return None
-    done = subprocess.run([str(llama_server), "--version"], capture_output=True, text=True, timeout=60)
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")]
-    return lines[0] if lines else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve.json")
     args = parser.parse_args(argv)
     model = default_model_path()
-    llama_server = _find_llama_server()
+    llama_server = find_llama_server()
     levels = [int(c) for c in args.concurrency.split(",")]
     names = [name for name in args.servers.split(",") if name]
     if llama_server is None and "llama-server" in names:
@@ -389,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     api_key = secrets.token_urlsafe(24) if args.with_api_key else None
     if api_key and "llama-cache-key" not in names:
-        if not _serve_takes_api_key(env):
+        if not serve_takes_api_key(env):
             print("llama-cache-key: skipped: this checkout's llama-cache serve has no --api-key", file=sys.stderr)
         else:  # right after llama-cache: the two take turns going first (see below)
             names.insert(names.index("llama-cache") + 1 if "llama-cache" in names else 0, "llama-cache-key")
@@ -406,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_number in range(args.rounds):
         for concurrency in levels:
             for name in rotation(names, round_number):
-                command = _commands(name, model, settings, _free_port(), llama_server, api_key)
+                command = server_command(name, model, settings, free_port(), llama_server, api_key)
                 assert command is not None
                 port = int(command[command.index("--port") + 1])
                 workload = Workload.make(args.users, args.turns, args.max_tokens, args.system_words,
@@ -418,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                 results["commands"][name] = [c if c != api_key else "KEY" for c in command]
                 # A fresh server per run: no run starts with another's cache.
                 headers = {"Authorization": f"Bearer {api_key}"} if name.endswith("-key") else None
-                with _server(command, port, env, log, headers) as url:
+                with running_server(command, port, env, log, headers) as url:
                     row = run_workload(url, workload, concurrency, headers)
-                    row["server_metrics"] = _cache_metrics(url, headers)
+                    row["server_metrics"] = cache_metrics(url, headers)
                 row["round"] = round_number
                 results["servers"].setdefault(name, []).append(row)
                 write(args.out, results)  # what is done so far, if a later run fails
@@ -448,13 +320,6 @@ LABELS = {
 KEY_COST_TARGET = 1.01
 _SUMMARISED = ("ttft_first_p50", "ttft_first_p95", "ttft_later_p50", "ttft_later_p95", "whole_run_s",
                "interrupted_streams")
-
-
-def rotation(names: list[str], round_number: int) -> list[str]:
-    """The order of the servers in round ``round_number``: ``names`` rotated by one more each round, so
-    that over ``len(names)`` rounds every server runs once in every position."""
-    shift = round_number % len(names) if names else 0
-    return names[shift:] + names[:shift]
 
 
 def _summary(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:

@@ -75,21 +75,21 @@ from typing import Any
 import httpx
 
 from benchmarks.machine import machine
-from benchmarks.sse import Stream
-from benchmarks.serve import (
+from benchmarks.servers import (
     DEFAULT_LLAMA_SERVER,
     REPO,
-    WORDS,
     Settings,
-    _commands,
-    _find_llama_server,
-    _free_port,
-    _percentile,
-    _serve_takes_api_key,
-    _server,
-    _text,
+    WORDS,
+    filler_text,
+    find_llama_server,
+    free_port,
     llama_server_version,
+    percentile,
+    running_server,
+    serve_takes_api_key,
+    server_command,
 )
+from benchmarks.sse import Stream
 from llama_cache import default_model_path
 from llama_cache.detokenizer import Detokenizer
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, on_off, physical_cores
@@ -236,13 +236,13 @@ def worst_requests(limits: Limits, n_ctx: int, probe: Any, fill: float, messages
     end_tokens = {probe.token_eos(), *probe.tokenize(b"<|im_end|>", add_bos=False, special=True)}
     no_end = {str(t): -100 for t in end_tokens if t >= 0}
     ask = "\n\nRepeat the text above, word for word."
-    sample = {"messages": [{"role": "user", "content": _text(random.Random(1), 1000) + ask}]}
+    sample = {"messages": [{"role": "user", "content": filler_text(random.Random(1), 1000) + ask}]}
     bare = {"messages": [{"role": "user", "content": ask}]}
     per_word = (tokens(sample) - tokens(bare)) / 1000
     words = int((target - tokens(bare)) / per_word)
 
     def long_prompt(rng: random.Random) -> dict[str, Any]:
-        return {"messages": [{"role": "user", "content": _text(rng, words) + ask}],
+        return {"messages": [{"role": "user", "content": filler_text(rng, words) + ask}],
                 "max_tokens": n_ctx - target - margin, "logit_bias": no_end, "temperature": 0}
 
     def chat(count: int, rng: random.Random) -> list[dict[str, str]]:
@@ -302,7 +302,7 @@ def flood_requests(limits: Limits, n_ctx: int, probe: Any) -> Attacks:
     gap = max(1, (budget - count * len(special)) // (count + 1))
 
     def tokenize(rng: random.Random) -> dict[str, Any]:
-        filler = _text(rng, budget // 4)[: gap * (count + 1)]
+        filler = filler_text(rng, budget // 4)[: gap * (count + 1)]
         parts = [filler[i * gap : (i + 1) * gap] for i in range(count + 1)]
         return {"content": special.join(parts)}
 
@@ -460,7 +460,7 @@ def _stats(values: list[float], cut: int) -> dict[str, Any]:
     values = sorted(values)
     stats: dict[str, Any] = {}
     for q in (50, 95):
-        stats[f"p{q}"] = _percentile(values, q)
+        stats[f"p{q}"] = percentile(values, q)
         # The cut values sit among the largest: a percentile reaching into the top ``cut`` is a lower bound.
         stats[f"p{q}_lower_bound"] = bool(cut) and math.ceil((len(values) - 1) * q / 100) >= len(values) - cut
     return stats
@@ -504,14 +504,14 @@ def main(argv: list[str] | None = None) -> int:
     flood = flood_requests(limits, args.n_ctx, probe)
     del probe
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    llama_server = _find_llama_server()
+    llama_server = find_llama_server()
     names = [name for name in args.servers.split(",") if name]
     if llama_server is None and "llama-server" in names:
         print(f"llama-server: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "
               f"{DEFAULT_LLAMA_SERVER}; see benchmarks/serve.py's docstring)", file=sys.stderr)
         names.remove("llama-server")
     api_key = secrets.token_urlsafe(24) if args.with_api_key else None
-    if api_key and "llama-cache" in names and not _serve_takes_api_key(env):
+    if api_key and "llama-cache" in names and not serve_takes_api_key(env):
         print("--with-api-key: this checkout's llama-cache serve has no --api-key", file=sys.stderr)
         return 2
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -533,14 +533,14 @@ def main(argv: list[str] | None = None) -> int:
     for round_number in range(args.rounds):
         shift = round_number % len(names)
         for name in names[shift:] + names[:shift]:  # a different server first in every round
-            command = _commands(name, model, settings, _free_port(), llama_server)
+            command = server_command(name, model, settings, free_port(), llama_server)
             assert command is not None
             command += ["--api-key", api_key] if api_key else []
             port = int(command[command.index("--port") + 1])
             results["commands"][name] = [c if c != api_key else "KEY" for c in command]
             log = args.out.parent / f"serve-noisy-{name}.log"
             run: dict[str, Any] = {"round": round_number, "server": name}
-            with _server(command, port, env, log, headers) as url:
+            with running_server(command, port, env, log, headers) as url:
                 for phase_name in ("quiet", "attack", "flood") if args.flood_attackers else ("quiet", "attack"):
                     print(f"round {round_number + 1}/{args.rounds}: {name}, {phase_name}...", file=sys.stderr,
                           flush=True)

@@ -74,18 +74,18 @@ from typing import Any
 import httpx
 
 from benchmarks.machine import machine
-from benchmarks.sse import read_stream
-from benchmarks.serve import (
+from benchmarks.servers import (
     DEFAULT_LLAMA_SERVER,
     REPO,
     Settings,
-    _commands,
-    _find_llama_server,
-    _free_port,
-    _server,
-    _text,
+    filler_text,
+    find_llama_server,
+    free_port,
     llama_server_version,
+    running_server,
+    server_command,
 )
+from benchmarks.sse import read_stream
 from llama_cache import default_model_path
 from llama_cache.server.config import on_off, physical_cores
 
@@ -222,7 +222,7 @@ class NPrompts:
     rng: random.Random
 
     def messages(self) -> list[dict[str, str]]:
-        return [{"role": "user", "content": "Document:\n" + _text(self.rng, self.words)
+        return [{"role": "user", "content": "Document:\n" + filler_text(self.rng, self.words)
                  + "\n\nWrite a story inspired by the document above."}]
 
 
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.cases or set(args.cases) - set(CASES):
         parser.error(f"--cases: choose among {','.join(CASES)}")
     model = default_model_path()
-    llama_server = _find_llama_server()
+    llama_server = find_llama_server()
     names = [name for name in args.servers.split(",") if name]
     if set(names) - set(SERVERS):
         parser.error(f"--servers: choose among {','.join(SERVERS)}")
@@ -354,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         for round_number in range(args.rounds):
             shift = round_number % len(names)
             for name in names[shift:] + names[:shift]:  # a different server first in every round
-                command = _commands(name, model, settings, _free_port(), llama_server)
+                command = server_command(name, model, settings, free_port(), llama_server)
                 assert command is not None
                 command += ["--metrics"] if name == "llama-server" else []  # its prompt tokens evaluated
                 port = int(command[command.index("--port") + 1])
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_number + 1}/{args.rounds}: {name}...", file=sys.stderr, flush=True)
                 load = os.getloadavg()[0]
                 run: dict[str, Any] = {"round": round_number, "server": name}
-                with _server(command, port, env, log) as url, httpx.Client(timeout=600) as client:
+                with running_server(command, port, env, log) as url, httpx.Client(timeout=600) as client:
                     run["structured"] = structured_round(client, url, args.cases, args.max_tokens, args.repeats)
                     if not args.skip_n:
                         run["n"] = n_round(client, url, prompts, args.n_max_tokens)

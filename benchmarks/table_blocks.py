@@ -136,6 +136,8 @@ def _scale_verdict(target: dict[str, Any]) -> str:
 # Caches: lookups and index memory (benchmarks/lookup.py) -----------------------------------------
 
 LOOKUP_CACHES = {"llama_cache.LlamaRAMCache": "ours, `LlamaRAMCache`", "llama_cache.LlamaTrieCache": "ours, `LlamaTrieCache`",
+                 "llama_cache.LlamaRAMCache, numpy query": "ours, `LlamaRAMCache`, int32 numpy query",
+                 "llama_cache.LlamaTrieCache, numpy query": "ours, `LlamaTrieCache`, int32 numpy query",
                  "llama_cpp.LlamaRAMCache": "llama-cpp-python's `LlamaRAMCache`"}
 LOOKUP_TARGETS = {"lookup_under_1000us_at_10000": "a lookup under 1 ms at 10,000 entries",
                   "speedup_at_least_1000x_at_10000": "at least 1,000x faster than llama-cpp-python's at 10,000 entries",
@@ -172,8 +174,8 @@ def lookup(results: Results) -> str:
     workload = run["workload"]
     return "\n\n".join([
         f"Keys of about 2,000 tokens (conversations on {workload['system_prompts']} shared system prompts); "
-        "queries as Python lists, a third each a stored key plus new tokens, a key diverging in its middle, "
-        f"and a miss; median of {workload['our_repetitions']} repetitions for ours and "
+        "queries as Python lists (ours also as int32 numpy arrays), a third each a stored key plus new tokens, "
+        f"a key diverging in its middle, and a miss; median of {workload['our_repetitions']} repetitions for ours and "
         f"{workload['their_repetitions']} for llama-cpp-python's linear scan. Memory is what building the "
         "cache leaves allocated (tracemalloc), per stored token.",
         table(["entries", "cache", "lookup, median", "faster than llama-cpp-python's", "index bytes per token"], rows),
@@ -319,9 +321,30 @@ def bench(results: Results) -> str:
              f"{ratio(entry['theirs_ratio'])} ({entry['theirs_entries']:.0f} entry)"],
             [f"saving a state after {entry['save_new_tokens']:.0f} new tokens", f"{num(entry['ours_save_ms'], 1)} ms",
              f"{num(entry['theirs_save_ms'], 1)} ms"],
+            *_save_state_rows(entry),
         ]),
+        *_save_state_verdicts(entry),
         conditions(run),
     ])
+
+
+def _save_state_rows(entry: dict[str, Any]) -> list[list[str]]:
+    """The ``save_state()`` rows, when the run measured them."""
+    if "ours_save_state_ratio" not in entry:
+        return []
+    return [
+        [f"`save_state()` of {entry['save_state_tokens']:,.0f} tokens on a restored history, bytes against "
+         "llama.cpp's sequence state", ratio(entry["ours_save_state_ratio"]), ratio(entry["theirs_save_state_ratio"])],
+        ["restoring that state, against its canonical twin (CPU time)", ratio(entry["save_state_restore_ratio"]), "-"],
+    ]
+
+
+def _save_state_verdicts(entry: dict[str, Any]) -> list[str]:
+    if "ours_save_state_ratio" not in entry:
+        return []
+    return ["The script's verdicts:\n\n"
+            f"- `save_state()` holds at most 1.10x llama.cpp's bytes: {verdict(entry['ours_save_state_ratio'] <= 1.10)}\n"
+            f"- and restores within 1.3x of canonical: {verdict(entry['save_state_restore_ratio'] <= 1.3)}"]
 
 
 # Serving: structured outputs, the engine (benchmarks/constraints.py) -----------------------------

@@ -20,6 +20,10 @@ Like is compared with like:
   (:func:`~llama_cache.state.memory.memory_blocks`), against the same unit, llama.cpp's bytes for the
   sequence's KV.
 
+It also measures ``save_state()`` on its own, after new tokens were evaluated on a restored history (what a
+chat turn saves): the bytes the returned state holds against llama.cpp's bytes for the sequence (target: at
+most 1.10x), and that state's restore against its canonical twin (target: at most 1.3x).
+
 Per scenario it reports ours against llama-cpp-python's hit (their time to first token over ours) and,
 for every state ours restored, the restore time against a restore of the same state held in canonical
 form (llama.cpp's own bytes, handed over without assembly): the median and the largest such ratio
@@ -141,7 +145,9 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> st
             progress.update(1)
         progress.update(1)
         entry_bytes = _entry_bytes(theirs_cache, ours_cache)
-        entry_bytes.update(_save_ms(theirs_llm, ours_llm, words(" " + " ".join(_FACTS))))
+        saving, saved = _save_ms(theirs_llm, ours_llm, words(" " + " ".join(_FACTS)))
+        entry_bytes.update(saving)
+        entry_bytes.update(_saved_state(saved["theirs"], saved["ours"], ours_llm))
         for index, (title, variants) in enumerate(scenarios):
             result = ScenarioResult(title, len(variants[0]))
             for variant, prompt in enumerate(variants):
@@ -282,8 +288,9 @@ def _entry_bytes(theirs: Any, ours: LlamaRAMCache) -> dict[str, float]:
 
 
 def _save_ms(theirs: llama_cpp.Llama, ours: Llama, new_tokens: list[int], repeats: int = 5,
-             step: int = 8) -> dict[str, float]:
-    """Median time of ``save_state`` after ``step`` new tokens were evaluated, each model as it is.
+             step: int = 8) -> tuple[dict[str, float], dict[str, Any]]:
+    """Median time of ``save_state`` after ``step`` new tokens were evaluated, each model as it is; and
+    each model's last saved state.
 
     Every save follows new tokens, as a completion's does: ours then copies only their KV (the rest is
     shared with the state the context was built on), theirs copies the whole context state. The two
@@ -292,16 +299,43 @@ def _save_ms(theirs: llama_cpp.Llama, ours: Llama, new_tokens: list[int], repeat
     if len(new_tokens) < repeats * step:
         raise ValueError(f"{repeats * step} new tokens needed, got {len(new_tokens)}")
     times: dict[str, list[float]] = {"theirs": [], "ours": []}
+    saved: dict[str, Any] = {}
     models: list[tuple[str, llama_cpp.Llama]] = [("theirs", theirs), ("ours", ours)]
     for rep in range(repeats):
         chunk = new_tokens[rep * step : (rep + 1) * step]
         for name, llm in models[rep % 2 :] + models[: rep % 2]:
             llm.eval(chunk)
             started = time.perf_counter()
-            llm.save_state()
+            saved[name] = llm.save_state()
             times[name].append((time.perf_counter() - started) * 1000)
     return {"theirs_save_ms": statistics.median(times["theirs"]), "ours_save_ms": statistics.median(times["ours"]),
-            "save_new_tokens": float(step)}
+            "save_new_tokens": float(step)}, saved
+
+
+def _saved_state(theirs: Any, ours: LlamaState, llm: Llama, restores: int = 3) -> dict[str, float]:
+    """What one ``save_state()`` returns, held apart from any cache: the bytes of its distinct buffers
+    against llama.cpp's bytes for the sequence (both sides, one unit), and the median of ``restores``
+    restores of ours against its canonical twin (CPU time, CPU caches flushed before each)."""
+    unit = float(ours.llama_state_size)
+    scratch = np.empty(_EVICT_BYTES, dtype=np.uint8)
+    rows: list[dict[str, Any]] = []
+    for _ in range(restores):
+        llm.reset()
+        scratch.fill(1)
+        with recording_restores(llm) as timings:
+            llm.load_state(ours)
+        rows += _restore_rows(llm, timings)
+    llm.reset()
+    return {
+        "save_state_tokens": float(ours.n_tokens),
+        "save_state_segments": float(len(ours.segments)),
+        "ours_save_state_bytes": float(_held_bytes([ours])),
+        "ours_save_state_ratio": _held_bytes([ours]) / unit,
+        "theirs_save_state_bytes": float(_held_bytes([theirs])),
+        "theirs_save_state_ratio": _held_bytes([theirs]) / unit,
+        "save_state_restore_ratio": statistics.median(row["ratio"] for row in rows),
+        "save_state_restore_assembled": float(any(row["assembled"] for row in rows)),
+    }
 
 
 def _report(results: list[ScenarioResult], chat: dict[str, Any], chat_restores: list[dict[str, Any]],
@@ -349,5 +383,12 @@ def _report(results: list[ScenarioResult], chat: dict[str, Any], chat_restores: 
     lines.append(
         f"saving a state after {entry_bytes['save_new_tokens']:.0f} new tokens (median of 5): "
         f"theirs {entry_bytes['theirs_save_ms']:.0f} ms, ours {entry_bytes['ours_save_ms']:.0f} ms"
+    )
+    held, restore = entry_bytes["ours_save_state_ratio"], entry_bytes["save_state_restore_ratio"]
+    lines.append(
+        f"save_state() of {entry_bytes['save_state_tokens']:.0f} tokens, held apart from any cache, against "
+        f"llama.cpp's bytes: theirs {entry_bytes['theirs_save_state_ratio']:.2f}x, ours {held:.2f}x "
+        f"({entry_bytes['save_state_segments']:.0f} segments; at most 1.10x: {'met' if held <= 1.10 else 'NOT met'}); "
+        f"its restore / canonical {restore:.2f}x (at most 1.3x: {'met' if restore <= 1.3 else 'NOT met'})"
     )
     return "\n".join(lines)

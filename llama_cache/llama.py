@@ -37,7 +37,7 @@ from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
 from llama_cache.detokenizer import Detokenizer
 from llama_cache.state.fingerprint import model_description, model_fingerprint, namespaced_fingerprint
-from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
+from llama_cache.state.llama_state import IncompatibleStateError, LlamaState, RestoreCopy
 from llama_cache.tokens import as_token_array, check_vocabulary
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,9 @@ class Llama(llama_cpp.Llama):
         # shares that part instead of copying it.
         self._base: LlamaState | None = None
         self._base_valid = 0
+        # llama.cpp's bytes of the last save, when that state was built on another: the state is only
+        # offered them (it holds one copy of the KV), a cache storing it adopts them (LlamaState.lend_restore_copy).
+        self._offered_copy: RestoreCopy | None = None
         # Logits restored with a state: samples at its last position use them until a decode.
         self._restored_logits: npt.NDArray[np.float32] | None = None
         self._last_logits = np.empty(self._n_vocab_cached, dtype=np.float32)
@@ -362,7 +365,12 @@ class Llama(llama_cpp.Llama):
 
         Costs one copy of llama.cpp's sequence state; when the context still holds the KV of the
         last restored or saved state, the new state shares it and keeps a copy of the new tokens'
-        KV only. With ``logits_all=True`` llama-cpp-python's own state (with all scores) is returned.
+        KV only: it holds one copy of the KV. llama.cpp's bytes for the whole sequence, which restore
+        it without assembling its segments, are then only offered to it
+        (:meth:`~llama_cache.state.llama_state.LlamaState.lend_restore_copy`): this context keeps them
+        until its next save, and a cache storing the state adopts them as its restore copy, charged to
+        the cache's budget and released before any entry is evicted. With ``logits_all=True``
+        llama-cpp-python's own state (with all scores) is returned.
         """
         if self._logits_all:
             upstream = super().save_state()
@@ -400,6 +408,7 @@ class Llama(llama_cpp.Llama):
                 tokens, logits, self._seed, self.fingerprint, seq_bytes, parse=not self._state_is_opaque
             )
         self._base, self._base_valid = state, n
+        self._offered_copy = state.lend_restore_copy()
         return state
 
     def load_state(self, state: Any) -> None:

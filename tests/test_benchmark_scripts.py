@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks import serve
+from benchmarks import serve, servers
 from benchmarks.machine import machine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,10 +30,10 @@ def _llama_cpp_python_settings(command: list[str]) -> Any:
 
 
 def test_llama_cpp_python_keeps_no_scores_matrix_in_the_equal_row_only(tmp_path: Path) -> None:
-    settings = serve.Settings(n_ctx=2048, parallel=4, threads=2, flash_attn=True)
+    settings = servers.Settings(n_ctx=2048, parallel=4, threads=2, flash_attn=True)
     model = tmp_path / "model.gguf"
-    equal = _llama_cpp_python_settings(serve._commands("llama-cpp-python", model, settings, 8000, None))
-    defaults = _llama_cpp_python_settings(serve._commands("llama-cpp-python-defaults", model, settings, 8000, None))
+    equal = _llama_cpp_python_settings(servers.server_command("llama-cpp-python", model, settings, 8000, None))
+    defaults = _llama_cpp_python_settings(servers.server_command("llama-cpp-python-defaults", model, settings, 8000, None))
     assert equal.logits_all is False
     assert (equal.n_ctx, equal.n_threads, equal.n_threads_batch, equal.n_batch, equal.flash_attn) == (
         2048, 2, 2, 512, True)
@@ -43,11 +43,11 @@ def test_llama_cpp_python_keeps_no_scores_matrix_in_the_equal_row_only(tmp_path:
 
 def test_every_server_runs_once_in_every_position() -> None:
     names = ["llama-cache", "llama-server", "llama-cpp-python", "llama-cpp-python-defaults"]
-    orders = [serve.rotation(names, round_number) for round_number in range(len(names))]
+    orders = [servers.rotation(names, round_number) for round_number in range(len(names))]
     assert all(sorted(order) == sorted(names) for order in orders)
     for position in range(len(names)):
         assert sorted(order[position] for order in orders) == sorted(names)
-    assert serve.rotation(names, len(names)) == names
+    assert servers.rotation(names, len(names)) == names
 
 
 def _run(server: str, concurrency: int, later_p50: float, whole: float) -> dict[str, Any]:
@@ -117,4 +117,5 @@ def test_lookup_runs_from_a_checkout_that_is_not_installed(tmp_path: Path) -> No
     report = json.loads(out.read_text())
     assert [size["entries"] for size in report["sizes"]] == [10]
     assert report["machine"]["llama_cache"] is not None
-    assert set(report["targets"]) == {"llama_cache.LlamaRAMCache", "llama_cache.LlamaTrieCache"}
+    assert set(report["targets"]) == {"llama_cache.LlamaRAMCache", "llama_cache.LlamaTrieCache",
+                                      "llama_cache.LlamaRAMCache, numpy query", "llama_cache.LlamaTrieCache, numpy query"}

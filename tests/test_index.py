@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llama_cache.index import Match, RadixIndex
-from llama_cache.tokens import as_token_array
+from llama_cache import LlamaRAMCache, LlamaTrieCache
+from llama_cache import tokens as tokens_module
+from llama_cache.tokens import CheckedTokens, as_token_array, checked_tokens
 
 # ------------------------------------------------------------------------------------------- helpers
 
@@ -542,3 +544,115 @@ def test_touch_match_marks_the_matched_key_most_recently_used() -> None:
     assert match is not None and match.value == "a"
     index.touch_match(match)
     assert as_triple(index.longest_common_prefix([1, 2, 9])) == ((1, 2, 3), "a", 2)
+
+
+# ------------------------------------------------------------------------------ numpy and checked queries
+
+
+class _Plain(Sequence[int]):
+    """A sequence that is neither a list nor an array: the path every element's type is looked at on."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.items[index]
+
+
+class _Value:
+    """A stand-in state: one byte to the caches' accounting."""
+
+    nbytes = 1
+    llama_state_size = 1
+
+
+def test_numpy_queries_answer_as_list_queries_on_random_keys() -> None:
+    rng = np.random.default_rng(20261202)
+    shared = [rng.integers(0, 50_000, size=int(rng.integers(50, 300))) for _ in range(4)]
+    keys = [np.concatenate([shared[i % 4], rng.integers(0, 50_000, size=int(rng.integers(1, 400)))])
+            for i in range(60)]
+    caches = [LlamaRAMCache(capacity_bytes=10**9), LlamaTrieCache(capacity_bytes=10**9)]
+    index: RadixIndex[int] = RadixIndex()
+    values = [_Value() for _ in keys]
+    for i, key in enumerate(keys):
+        index.insert(key.tolist(), i)
+        for cache in caches:
+            cache[key.tolist()] = values[i]
+    for _ in range(200):
+        key = keys[int(rng.integers(len(keys)))]
+        cut = int(rng.integers(0, len(key) + 1))
+        listed = key[:cut].tolist() + rng.integers(0, 50_000, size=int(rng.integers(0, 200))).tolist()
+        forms = [np.array(listed, dtype=np.int32), np.array(listed, dtype=np.intc), checked_tokens(listed)]
+        for form in forms:
+            assert as_triple(index.longest_prefix(form)) == as_triple(index.longest_prefix(listed))
+            assert as_triple(index.longest_common_prefix(form)) == as_triple(index.longest_common_prefix(listed))
+            for cache in caches:
+                assert cache.match_length(form) == cache.match_length(listed)
+                assert (form in cache) == (listed in cache)
+                if listed in cache:
+                    assert cache[form] is cache[listed]
+
+
+def test_an_int32_array_is_taken_without_a_copy() -> None:
+    for dtype in (np.int32, np.intc):
+        source = np.arange(1, 2001, dtype=dtype)
+        out = as_token_array(source)
+        assert np.shares_memory(out, source) and not out.flags.writeable
+        assert source.flags.writeable  # the caller's own array is left as it was
+        checked = checked_tokens(source)
+        assert np.shares_memory(np.asarray(checked), source)
+
+
+def test_checked_tokens_are_validated_once_and_immutable(monkeypatch: pytest.MonkeyPatch) -> None:
+    checked = checked_tokens([5, 6, 7, 8])
+    assert checked_tokens(checked) is checked
+    assert as_token_array(checked) is checked.array
+    assert list(checked) == [5, 6, 7, 8] and len(checked) == 4 and checked[1] == 6
+    assert isinstance(checked[1:3], CheckedTokens) and checked[1:3].tolist() == [6, 7]
+    assert not checked.array.flags.writeable
+    with pytest.raises(AttributeError):
+        checked.array = np.zeros(1, dtype=np.int32)  # type: ignore[misc]
+    # A radix index and a cache take it without converting again.
+    calls = []
+    monkeypatch.setattr(tokens_module, "_from_list", lambda tokens: calls.append(tokens))
+    cache = LlamaRAMCache(capacity_bytes=10**6)
+    index: RadixIndex[int] = RadixIndex()
+    index.insert(checked, 1)
+    assert index.get(checked) == 1 and cache.match_length(checked) == 0 and checked not in cache
+    assert calls == []
+
+
+BAD_LISTS: list[Any] = [
+    [1.0, 2.0], [1, 2.5], [True, False], [1, True], [0, 5, True], [True, -1], [np.True_], [None], ["a"],
+    [[1, 2]], [[1, 2], [3]], [np.float64(2.0)], [-1], [3, -7, 2], [1, 2**31], [2**63], [2**70], [-(2**31) - 1],
+]
+
+
+@pytest.mark.parametrize("bad", BAD_LISTS, ids=repr)
+def test_lists_are_refused_as_any_sequence_is(bad: list[Any]) -> None:
+    # The list path converts in one C loop; what it refuses, it refuses as the per-element path does.
+    with pytest.raises((TypeError, ValueError)) as expected:
+        as_token_array(_Plain(bad))
+    for form in (bad, tuple(bad)):
+        with pytest.raises(expected.type) as got:
+            as_token_array(form)
+        assert str(got.value) == str(expected.value)
+        with pytest.raises(expected.type):
+            checked_tokens(form)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(np.array([-1, 2], dtype=np.int32), ValueError), (np.array([1.0, 2.0]), TypeError),
+     (np.zeros((2, 2), dtype=np.int32), TypeError), (np.array([True]), TypeError),
+     (np.array([2**31], dtype=np.int64), ValueError), ([3, -1], ValueError), ([1.5], TypeError)],
+    ids=repr,
+)
+def test_bad_queries_are_refused_on_every_lookup_path(bad: Any, error: type[Exception]) -> None:
+    cache = LlamaRAMCache(capacity_bytes=10**6)
+    for call in (checked_tokens, cache.match_length, cache.__getitem__, cache.__contains__):
+        with pytest.raises(error):
+            call(bad)

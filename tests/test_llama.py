@@ -169,8 +169,10 @@ def test_restored_state_gives_bit_identical_logits_to_a_same_chunk_cold_run() ->
     assert np.array_equal(_last_logits(llm), cold_logits)
 
 
-def test_a_chat_turn_restores_from_the_bytes_kept_beside_it_exactly() -> None:
-    """A state extended from a restored one restores without assembly, bit for bit, and as before without them."""
+def test_a_chat_turn_holds_one_copy_of_the_kv_and_restores_from_the_bytes_kept_beside_it_exactly() -> None:
+    """A state extended from a restored one holds its KV once; the context offers it llama.cpp's bytes,
+    which a cache adopts and charges; it restores without assembly, bit for bit, and as before once the
+    cache released them."""
     llm = _make()
     prompt = llm.tokenize(DOCUMENT.encode())
     question = llm.tokenize(b"Q: What colour are llamas?", add_bos=False)
@@ -186,8 +188,18 @@ def test_a_chat_turn_restores_from_the_bytes_kept_beside_it_exactly() -> None:
     llm.eval(answer)
     cold_logits = _last_logits(llm)
 
-    copy = turn.restore_copy
-    assert copy is not None and copy.data is not None and not turn.needs_assembly(0)
+    # One copy of the KV: the shared history and the question's own, with the logits row and tokens.
+    assert turn.restore_copy is None
+    assert turn.nbytes <= 1.10 * turn.llama_state_size
+    assert not turn.needs_assembly(0)  # the context's bytes of its last save are offered to it
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    cache[turn.tokens.tolist()] = turn
+    copy = turn.restore_copy  # adopted by the cache, charged to its budget
+    assert copy is not None and copy.data is not None and copy.nbytes == turn.llama_state_size
+    assert cache.cache_size == turn.nbytes == sum(size for _, size in memory_blocks(turn))
+    llm.eval(llm.tokenize(b" and a next save", add_bos=False))
+    llm.save_state()  # the context offers this save's bytes now; the cache keeps the turn's
+    assert not turn.needs_assembly(0)
     for released in (False, True):
         if released:
             copy.release()
@@ -200,6 +212,37 @@ def test_a_chat_turn_restores_from_the_bytes_kept_beside_it_exactly() -> None:
         assert np.array_equal(llm._read_seq_bytes(), assembled)
         llm.eval(answer)
         assert np.array_equal(_last_logits(llm), cold_logits)
+
+
+def test_a_turn_no_cache_adopted_loses_only_its_fast_restore() -> None:
+    """Without a cache, the offered bytes go with the context's next save; the turn restores by
+    assembly then, and greedy generation after the restore is the same."""
+    llm = _make()
+    prompt = llm.tokenize(DOCUMENT.encode())
+    llm.eval(prompt)
+    history = llm.save_state()
+    llm.reset()
+    llm.load_state(history)
+    llm.eval(llm.tokenize(b"Q: Where do llamas live?\nA:", add_bos=False))
+    turn = llm.save_state()
+    expected = _greedy_after(llm, turn)
+    llm.reset()
+    llm.eval(prompt[:50])
+    llm.save_state()  # a canonical state: nothing offered any more
+    assert turn.needs_assembly(0) and turn.adopt_restore_copy() is None
+    assert _greedy_after(llm, turn) == expected
+
+
+def _greedy_after(llm: Llama, state: LlamaState, n: int = 8) -> list[int]:
+    """The ``n`` tokens greedy decoding gives after restoring ``state`` and evaluating one more token."""
+    llm.reset()
+    llm.load_state(state)
+    llm.eval(llm.tokenize(b" The", add_bos=False))
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(_last_logits(llm))))
+        llm.eval(out[-1:])
+    return out
 
 
 def test_state_owns_one_logits_row_and_the_sequence_kv() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from llama_cache import BaseLlamaCache, CacheStats, LlamaDiskCache, LlamaRAMCache, LlamaTrieCache, TieredCache
+from llama_cache import tokens as tokens_module
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.memory import memory_blocks
 from tests.cache_contract import CacheContract
@@ -146,6 +147,27 @@ def test_each_tier_tells_how_much_of_a_query_it_holds_without_loading(open_cache
     assert disk.lookup_prefix([1, 2, 3, 7]).n_tokens == 3  # what the disk tier's match length said
     with pytest.raises(TypeError):
         disk.match_length("abc")  # type: ignore[arg-type]
+
+
+def test_a_lookup_converts_its_list_once_for_every_tier_and_index(
+        open_cache: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ram, trie, disk = LlamaRAMCache(10**7), LlamaTrieCache(10**7), open_cache(write_behind=False)
+    cache = TieredCache([ram, trie, disk])
+    disk[[1, 2, 3]] = make_cut_state([1, 2, 3], logits=True)
+    conversions = []
+    convert = tokens_module._from_list
+
+    def counted(tokens: Any) -> Any:
+        conversions.append(len(tokens))
+        return convert(tokens)
+
+    monkeypatch.setattr(tokens_module, "_from_list", counted)
+    assert cache.match_length([1, 2, 3, 4]) == 3
+    assert conversions == [4]
+    assert tokens_of(cache.lookup_prefix([1, 2, 3, 5])) == (1, 2, 3)  # three tiers asked, one answering
+    assert conversions == [4, 4]
+    assert [1, 2, 3, 6] in cache
+    assert conversions == [4, 4, 4]
 
 
 def test_a_state_only_on_disk_is_promoted_and_then_served_from_ram(open_cache: Any) -> None:

@@ -35,7 +35,7 @@ from llama_cache.index import Match, RadixIndex
 from llama_cache.state.fingerprint import model_fingerprint
 from llama_cache.state.llama_state import RestoreCopy
 from llama_cache.state.values import filing_key, holds_same_state
-from llama_cache.tokens import as_token_array
+from llama_cache.tokens import CheckedTokens, as_token_array, checked_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,9 @@ class IndexedMemoryCache(BaseLlamaCache):
         self._hits = self._misses = self._evictions = self._rejected = self._writes = self._store_errors = 0
 
     @abstractmethod
-    def _match(self, index: RadixIndex[_Entry], query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
-        """Return the key of ``index`` answering ``query`` under this cache's policy, or None."""
+    def _match(self, index: RadixIndex[_Entry], query: CheckedTokens) -> Match[_Entry] | None:
+        """Return the key of ``index`` answering ``query`` (checked once, by the caller) under this cache's
+        policy, or None."""
 
     # ------------------------------------------------------------------------------ namespaces
 
@@ -136,7 +137,7 @@ class IndexedMemoryCache(BaseLlamaCache):
             return own
         return self._namespace if self._namespace is not None else UNBOUND_NAMESPACE
 
-    def _best(self, query: npt.NDArray[np.int32], namespace: str | None = None) -> Match[_Entry] | None:
+    def _best(self, query: CheckedTokens, namespace: str | None = None) -> Match[_Entry] | None:
         """The answer to ``query`` from ``namespace`` (None: the bound one), or the best over all when
         neither is set (ties: most recently used). Lock held."""
         namespace = namespace if namespace is not None else self._namespace
@@ -176,7 +177,7 @@ class IndexedMemoryCache(BaseLlamaCache):
     def lookup_prefix(self, key: Sequence[int], *, namespace: str | None = None) -> Any:
         """As ``cache[key]`` (whole states: they are in memory), from ``namespace`` when given (see
         :meth:`BaseLlamaCache.lookup_prefix`)."""
-        query = as_token_array(key)
+        query = checked_tokens(key)
         with self._lock:
             match = self._best(query, namespace)
             if match is None:
@@ -191,7 +192,7 @@ class IndexedMemoryCache(BaseLlamaCache):
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
         """Whether ``cache[key]`` would return a state; changes neither recency nor counters."""
-        query = as_token_array(key)
+        query = checked_tokens(key)
         with self._lock:
             return self._best(query) is not None
 
@@ -203,7 +204,7 @@ class IndexedMemoryCache(BaseLlamaCache):
         Raises:
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        query = as_token_array(key)
+        query = checked_tokens(key)
         with self._lock:
             match = self._best(query, namespace)
             return 0 if match is None else match.common
@@ -220,7 +221,9 @@ class IndexedMemoryCache(BaseLlamaCache):
 
         A value larger than the whole budget is not stored (and any state it would replace is
         dropped), so that after ``cache[key] = value`` the key maps to ``value`` or to nothing.
-        Least recently used entries are evicted until the budget holds. A value that reports no size is
+        Least recently used entries are evicted until the budget holds. A restore copy the value is only
+        offered (:meth:`~llama_cache.state.llama_state.LlamaState.adopt_restore_copy`: what
+        ``Llama.save_state`` hands over) is adopted first, and charged like one it holds. A value that reports no size is
         not stored either: logged and counted in ``stats().store_errors``, never raised, so a completion
         storing its state never fails because of the cache.
 
@@ -229,6 +232,9 @@ class IndexedMemoryCache(BaseLlamaCache):
         """
         tokens = filing_key(as_token_array(key), value).copy()
         tokens.setflags(write=False)
+        adopt = getattr(value, "adopt_restore_copy", None)
+        if callable(adopt):
+            adopt()  # a restore copy the state is only offered: kept, and charged, from now on
         try:
             blocks = memory_blocks(value)
         except (TypeError, ValueError) as error:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-import numpy.typing as npt
-
 from llama_cache.caches.memory import IndexedMemoryCache, _Entry
 from llama_cache.index import Match, RadixIndex
 from llama_cache.state.values import can_be_cut
+from llama_cache.tokens import CheckedTokens
 
 
 class LlamaRAMCache(IndexedMemoryCache):
@@ -25,7 +23,7 @@ class LlamaRAMCache(IndexedMemoryCache):
     byte budget, eviction and thread-safety.
     """
 
-    def _match(self, index: RadixIndex[_Entry], query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
+    def _match(self, index: RadixIndex[_Entry], query: CheckedTokens) -> Match[_Entry] | None:
         match = index.longest_common_prefix(query)
         if match is None or match.common == len(match.value.key) or can_be_cut(match.value.value):
             return match

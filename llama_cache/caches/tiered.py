@@ -64,7 +64,7 @@ from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.write_behind import WriteBehindQueue
 from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.values import state_tokens
-from llama_cache.tokens import TokenArray, as_token_array, readonly
+from llama_cache.tokens import CheckedTokens, TokenArray, as_token_array, checked_tokens, readonly
 
 __all__ = ["TieredCache"]
 
@@ -182,7 +182,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         Raises:
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        answers, _ = self._ask_tiers(as_token_array(key), namespace)
+        answers, _ = self._ask_tiers(checked_tokens(key), namespace)
         return max((length for length, _ in answers), default=0)
 
     def __contains__(self, key: Sequence[int]) -> bool:  # type: ignore[override]
@@ -191,10 +191,10 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         Raises:
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        query = as_token_array(key)
+        query = checked_tokens(key)
         return any(self._guard(i, "look up", tier.__contains__, False, query) for i, tier in enumerate(self.tiers))
 
-    def _ask_tiers(self, query: TokenArray, namespace: str | None = None) -> tuple[list[tuple[int, int]], int]:
+    def _ask_tiers(self, query: CheckedTokens, namespace: str | None = None) -> tuple[list[tuple[int, int]], int]:
         """(match length, tier index) of the tiers asked, fastest first, up to one matching all of
         ``query`` (failing tiers left out); and the index of the first tier not asked."""
         answers = []
@@ -210,7 +210,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         return answers, len(self.tiers)
 
     def _lookup(self, key: Sequence[int], shared_only: bool, namespace: str | None = None) -> Any:
-        query = as_token_array(key)
+        query = checked_tokens(key)  # once: every tier takes it as checked
         answers, not_asked = self._ask_tiers(query, namespace)
         order = [index for _, index in sorted(answers, key=lambda answer: (-answer[0], answer[1]))]
         for index in order + list(range(not_asked, len(self.tiers))):

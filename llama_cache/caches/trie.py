@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-import numpy.typing as npt
-
 from llama_cache.caches.memory import IndexedMemoryCache, _Entry
 from llama_cache.index import Match, RadixIndex
+from llama_cache.tokens import CheckedTokens
 
 
 class LlamaTrieCache(IndexedMemoryCache):
@@ -19,5 +17,5 @@ class LlamaTrieCache(IndexedMemoryCache):
     and thread-safety.
     """
 
-    def _match(self, index: RadixIndex[_Entry], query: npt.NDArray[np.int32]) -> Match[_Entry] | None:
+    def _match(self, index: RadixIndex[_Entry], query: CheckedTokens) -> Match[_Entry] | None:
         return index.longest_prefix(query)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -53,11 +54,18 @@ class RestoreCopy:
     before evicting any entry: a copy only uses budget no entry needs. A released copy frees its bytes
     once no restore still reads them; the states holding it restore by assembly again.
 
+    A state can also be only *offered* a copy (:meth:`LlamaState.lend_restore_copy`): it restores from
+    the copy while its lender keeps it alive, without holding or counting it, and a cache storing the
+    state adopts it (:meth:`LlamaState.adopt_restore_copy`) and charges it to its own budget. That is
+    how ``llama_cache.Llama.save_state`` hands states over: the state it returns holds one copy of the
+    KV, the context keeps its last save's bytes until the next save, and a cache storing that state
+    keeps them as the state's copy.
+
     Thread-safety: :meth:`release` may run while another thread restores from the copy; that restore
     holds its own reference to the bytes and completes.
     """
 
-    __slots__ = ("_data", "n_tokens", "seq_id")
+    __slots__ = ("_data", "n_tokens", "seq_id", "__weakref__")
 
     def __init__(self, data: Bytes, n_tokens: int, seq_id: int) -> None:
         self._data: Bytes | None = data
@@ -106,8 +114,9 @@ class LlamaState:
     made it. Transformer KV is held as :class:`~llama_cache.state.kv_layout.KVSegment`\\ s that
     several states can share: a state extended from another owns only its new tokens' KV.
     Other memory (recurrent, hybrid, unusual layouts) is held as opaque llama.cpp bytes. An extended
-    state also keeps llama.cpp's bytes for its whole sequence (a :class:`RestoreCopy`) until a cache
-    releases them, so that restoring it copies no segments.
+    state can also restore from llama.cpp's bytes for its whole sequence (a :class:`RestoreCopy`), so
+    that restoring it copies no segments: held until a cache releases them, or only offered by whoever
+    keeps them (:meth:`lend_restore_copy`) until a cache adopts them.
 
     States are immutable once made (releasing a restore copy changes only how fast they restore); share
     them freely between threads and caches.
@@ -116,7 +125,8 @@ class LlamaState:
     ``n_tokens``, ``llama_state``, ``llama_state_size``, ``seed``) so code written for it reads ours.
     """
 
-    __slots__ = ("tokens", "logits", "seed", "fingerprint", "_layout", "_segments", "_opaque", "_canonical", "_copy")
+    __slots__ = ("tokens", "logits", "seed", "fingerprint", "_layout", "_segments", "_opaque", "_canonical", "_copy",
+                 "_offer")
 
     def __init__(
         self,
@@ -145,6 +155,8 @@ class LlamaState:
         self._canonical: tuple[Bytes, int] | None = None
         # llama.cpp's bytes for this state or a longer one it is the head of, beside the segments.
         self._copy: RestoreCopy | None = None
+        # A copy someone else holds and offers (see lend_restore_copy): used while alive, never counted.
+        self._offer: weakref.ref[RestoreCopy] | None = None
 
     @classmethod
     def from_seq_bytes(
@@ -188,8 +200,41 @@ class LlamaState:
 
     @property
     def restore_copy(self) -> RestoreCopy | None:
-        """The :class:`RestoreCopy` this state restores from, if it holds one (released or not)."""
+        """The :class:`RestoreCopy` this state holds, if any (released or not); not one only offered."""
         return self._copy
+
+    def lend_restore_copy(self) -> RestoreCopy | None:
+        """Stop holding this state's restore copy and only be offered it; return it (None: none held).
+
+        The state, and the views and twins made from it before or after, keep restoring from the copy
+        for as long as the caller keeps the returned object alive, but hold only a weak reference to it:
+        their memory (:meth:`memory_blocks`, :attr:`nbytes`) no longer includes it. A cache storing one
+        of them takes it back with :meth:`adopt_restore_copy`. O(1); not thread-safe against a
+        concurrent :meth:`adopt_restore_copy` on the same state (the owner calls it right after making
+        the state).
+        """
+        copy = self._copy
+        if copy is None:
+            return None
+        self._copy = None
+        self._offer = weakref.ref(copy)
+        return copy
+
+    def adopt_restore_copy(self) -> RestoreCopy | None:
+        """Hold the restore copy this state is offered, if it is still alive and not released, and
+        return it (then among :meth:`memory_blocks`: a cache charges it to its own budget and may
+        release it). None when nothing is offered any more. O(1); idempotent.
+        """
+        offered = None if self._offer is None else self._offer()
+        if self._copy is None and offered is not None and offered.data is not None:
+            self._copy = offered
+        return self._copy
+
+    def _usable_copy(self) -> RestoreCopy | None:
+        """The copy held, else the one offered while alive."""
+        if self._copy is not None:
+            return self._copy
+        return None if self._offer is None else self._offer()
 
     def seq_bytes(self, seq_id: int = 0) -> Bytes:
         """llama.cpp's per-sequence bytes for this state, ready for ``llama_state_seq_set_data``.
@@ -258,7 +303,7 @@ class LlamaState:
         """
         if self._direct_bytes(seq_id) is not None:
             return None
-        copy = self._copy
+        copy = self._usable_copy()
         data = None if copy is None else copy.data
         if copy is not None and data is not None and copy.seq_id == seq_id and self._close_enough(copy.n_tokens):
             return data, copy.n_tokens
@@ -306,7 +351,7 @@ class LlamaState:
             return self._opaque
         if self._canonical is not None and self._canonical[1] == seq_id:
             return self._canonical[0]
-        copy = self._copy
+        copy = self._usable_copy()
         data = None if copy is None else copy.data
         if copy is not None and data is not None and copy.seq_id == seq_id and copy.n_tokens == self.n_tokens:
             return data
@@ -322,7 +367,8 @@ class LlamaState:
         """The buffers this state holds, for caches that charge shared buffers once.
 
         A :class:`RestoreCopy` not released is one block, identified by the copy itself: caches that
-        find one among a state's blocks may release it to make room.
+        find one among a state's blocks may release it to make room. A copy only offered (see
+        :meth:`lend_restore_copy`) is not among them: its lender holds it.
         """
         blocks: list[MemoryBlock] = [(id(self.tokens), int(self.tokens.nbytes))]
         if self.logits is not None:
@@ -363,7 +409,7 @@ class LlamaState:
             layout=self._layout,
             segments=tuple(_head_segments(self._segments, n_tokens, self._layout)),
         )
-        state._copy = self._copy
+        state._copy, state._offer = self._copy, self._offer
         return state._stage_ahead()
 
     def without_logits(self) -> LlamaState:
@@ -373,7 +419,7 @@ class LlamaState:
         state = LlamaState(self.tokens, None, self.seed, self.fingerprint, layout=self._layout,
                            segments=self._segments, opaque=self._opaque)
         state._canonical = self._canonical
-        state._copy = self._copy
+        state._copy, state._offer = self._copy, self._offer
         return state
 
     def extended(
@@ -408,7 +454,7 @@ class LlamaState:
             segments.append(whole.slice_copy(shared_tokens, layout))
         state = LlamaState(tokens, logits, seed, self.fingerprint, layout=layout, segments=tuple(segments))
         if len(tokens) == shared_tokens:
-            state._copy = self._copy  # a head of this state: restored as its views are
+            state._copy, state._offer = self._copy, self._offer  # a head of this state: restored as its views are
         canonical_seq = canonical_seq_id(seq_bytes, len(tokens))
         if canonical_seq is not None and state.needs_assembly(canonical_seq):
             state._copy = RestoreCopy(seq_bytes, len(tokens), canonical_seq)

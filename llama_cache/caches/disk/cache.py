@@ -48,7 +48,7 @@ from llama_cache.state.fingerprint import model_description, model_fingerprint
 from llama_cache.state.format import KIND_LLAMA_CACHE, KIND_UPSTREAM
 from llama_cache.state.llama_state import LlamaState
 from llama_cache.state.values import filing_key, state_tokens
-from llama_cache.tokens import as_token_array
+from llama_cache.tokens import CheckedTokens, as_token_array, checked_tokens
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -342,7 +342,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
         The payload is not read: ``cache[key]`` can still miss if it turns out to be damaged.
         """
-        query = as_token_array(key)
+        query = checked_tokens(key)
         self._wait_for_writes()
         try:
             with self._lock:
@@ -360,7 +360,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         Raises:
             TypeError, ValueError: ``key`` is not a sequence of token ids.
         """
-        query = as_token_array(key)
+        query = checked_tokens(key)
         self._wait_for_writes()
         try:
             with self._lock:
@@ -401,7 +401,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         return self._answer(key, shared_only=True, namespace=namespace)
 
     def _answer(self, key: Sequence[int], shared_only: bool, namespace: str | None = None) -> Any:
-        query = as_token_array(key)
+        query = checked_tokens(key)
         self._wait_for_writes()
         try:
             state = self._lookup(query, shared_only, namespace or self._namespace)
@@ -414,7 +414,7 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
             raise KeyError("no cached prefix for this key")
         return state
 
-    def _lookup(self, query: npt.NDArray[np.int32], shared_only: bool, namespace: str | None) -> Any:
+    def _lookup(self, query: CheckedTokens, shared_only: bool, namespace: str | None) -> Any:
         for _ in range(_LOAD_ATTEMPTS):
             with self._lock:
                 self._store.sync()

@@ -28,6 +28,7 @@ from llama_cache.caches.disk.budget import charge
 from llama_cache.caches.disk.rows import BadRow, Entry, entry_from_row, is_int, key_tokens
 from llama_cache.caches.disk.schema import ADD, DELETE, REPLAY, ENTRY_ROW, TOUCH, log_floor
 from llama_cache.index import Match, RadixIndex
+from llama_cache.tokens import Tokens
 
 logger = logging.getLogger("llama_cache.caches.disk")  # one logger for the whole disk tier
 
@@ -55,8 +56,9 @@ class IndexView:
         self.bytes += sign * entry.size
         self.charged += sign * charge(entry.size, self.block)
 
-    def best(self, query: npt.NDArray[np.int32], namespace: str | None) -> Match[Entry] | None:
-        """The match answering ``query`` from ``namespace`` (None: any), most recent on ties."""
+    def best(self, query: Tokens, namespace: str | None) -> Match[Entry] | None:
+        """The match answering ``query`` (best a :class:`~llama_cache.tokens.CheckedTokens`: checked once,
+        not once per index) from ``namespace`` (None: any), most recent on ties."""
         best: Match[Entry] | None = None
         rank = (-1, 0)
         for (filed, cut), index in self.indexes.items():
