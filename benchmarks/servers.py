@@ -132,8 +132,9 @@ def server_command(name: str, model: Path, settings: Settings, port: int, llama_
     s = settings
     if name in ("llama-cache", "llama-cache-key"):
         key = ["--api-key", api_key] if name == "llama-cache-key" and api_key else []
+        # --n-ctx is the engine's one KV pool, shared by its sequences: as llama-server's -c, n_ctx per request.
         return [sys.executable, "-m", "llama_cache.cli", "serve", "--model", str(model), "--port", str(port),
-                "--n-ctx", str(s.n_ctx), "--parallel", str(s.parallel), "--threads", str(s.threads),
+                "--n-ctx", str(s.n_ctx * s.parallel), "--parallel", str(s.parallel), "--threads", str(s.threads),
                 "--flash-attn", "on" if s.flash_attn else "off", *key]  # batch: always N_BATCH
     if name == "llama-cpp-python":
         return [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
