@@ -142,6 +142,25 @@ def test_a_store_near_the_budget_counts_pages_and_evicts_exactly(tmp_path: Path,
         assert holds(cache[[999, 4]], [999, 4], 9_000)
 
 
+def test_lookups_in_a_full_cache_shed_the_change_log_before_any_entry(tmp_path: Path) -> None:
+    """The rows hits add to the change log take a full cache's index a page over the budget now and
+    then: the log is trimmed and gives its pages back, not the entries the lookups read next
+    (a key listed by keys() stays loadable while only lookups run)."""
+    budget = 300_000
+    with LlamaDiskCache(tmp_path / "c", capacity_bytes=budget, write_behind=False, chunk_tokens=0) as cache:
+        i = 0
+        while cache.stats().evictions == 0:  # full: within an entry of the budget
+            cache[[i, 6]] = make_state([i, 6], 3_000)
+            i += 1
+        evictions = cache.stats().evictions
+        for _ in range(40):  # thousands of touch rows: several new pages of the log
+            for key in list(cache.keys()):
+                assert holds(cache[list(key)], list(key), 3_000)
+        assert cache.stats().evictions == evictions
+        report = cache.check()
+        assert report.ok and report.disk_usage <= budget and report.disk_usage == cache.disk_usage
+
+
 def test_a_failed_commit_leaves_the_view_to_a_replay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     directory = tmp_path / "c"
     with LlamaDiskCache(directory, capacity_bytes=1 << 30, write_behind=False, chunk_tokens=0) as cache:

@@ -195,6 +195,27 @@ def maybe_trim(conn: sqlite3.Connection, seq: int, floor: int | None) -> int | N
     return floor
 
 
+def shed_log(conn: sqlite3.Connection, seq: int, floor: int | None) -> int | None:
+    """Trim the change log to its last row (``seq``): what a write transaction whose log row took the
+    index over the budget sheds before any entry, the log being only how other processes catch up
+    (each one behind rebuilds its index from the entries once instead).
+
+    Args:
+        seq: the last row of the log.
+        floor: the trim point, in step with the index (as for :func:`maybe_trim`); None: damaged,
+            left for the next store to repair.
+
+    Returns:
+        The trim point now (the pages freed are the caller's to give back). No statement when the log
+        holds no other row.
+    """
+    if floor is None or seq - floor < 2:
+        return floor
+    conn.execute("DELETE FROM changes WHERE seq < ?", (seq,))
+    conn.execute("UPDATE meta SET value = ? WHERE name = 'floor'", (seq - 1,))
+    return seq - 1
+
+
 @contextmanager
 def transaction(conn: sqlite3.Connection) -> Iterator[None]:
     """A write transaction: ``BEGIN IMMEDIATE`` takes the index's write lock up front."""

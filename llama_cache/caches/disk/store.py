@@ -43,6 +43,7 @@ from llama_cache.caches.disk.schema import (
     CacheDirectoryError,
     create_schema,
     delete_rows,
+    shed_log,
     transaction,
 )
 from llama_cache.caches.disk.view import IndexView
@@ -437,8 +438,9 @@ class DiskStore:
     def touch(self, entry_id: int, hit: bool = True) -> bool:
         """Make an entry the most recently used, for every process. Lock held; errors are logged.
 
-        Should the change log's row take the index over the budget (a new page), least recently used
-        entries are evicted in the same transaction.
+        Should the change log's row take the index over the budget (a new page), the log is trimmed
+        to that row in the same transaction, and least recently used entries are evicted only if the
+        directory still does not fit (see :meth:`_fit_grown_index`).
 
         Returns:
             Whether the entry was there to touch (False also when the index is unavailable).
@@ -466,8 +468,8 @@ class DiskStore:
     def delete(self, victims: list[Entry]) -> list[Entry]:
         """Delete entries in one transaction, then unlink their files. Lock held; errors are logged.
 
-        Should logging the deletes take the index over the budget, least recently used entries are
-        evicted too (not returned; counted as evictions).
+        Should logging the deletes take the index over the budget, the log is trimmed to its last row,
+        then least recently used entries are evicted if need be (not returned; counted as evictions).
 
         Returns:
             The entries deleted.
@@ -490,8 +492,10 @@ class DiskStore:
     def _fit_grown_index(
         self, conn: sqlite3.Connection, before: int, keep: set[int]
     ) -> tuple[list[Entry], list[tuple[str, int]]]:
-        """In a write transaction that may have grown the index past ``before`` pages: evict least
-        recently used entries (not in ``keep``) until the directory fits the budget again. Lock held.
+        """In a write transaction that may have grown the index past ``before`` pages: should that take
+        the directory over the budget, shed the change log but its last row (its rows are what grew),
+        then evict least recently used entries (not in ``keep``) only if the directory still does not
+        fit. Lock held.
 
         Costs one pragma when the index did not grow.
         """
@@ -500,7 +504,13 @@ class DiskStore:
             self._pages_bound = pages  # exact: the transaction writes nothing after this
             return [], []
         self.sync(force=True)  # in the transaction: the view is the index as this transaction leaves it
-        evicted, freed, _ = budget.evict_to_fit(self, conn, self.capacity, budget.files_bytes(self, conn), keep)
+        files = budget.files_bytes(self, conn)
+        fixed = self.top_bytes() + sum(self.folder_sizes(conn).values())
+        if files + fixed + self.index_bytes(conn) > self.capacity:
+            # A hit or a delete frees nothing an entry holds: the log gives its pages back first
+            # (evict_to_fit reclaims them), so that a full cache's lookups do not evict its entries.
+            self.view.floor = shed_log(conn, self.view.last_seq, self.view.floor)
+        evicted, freed, _ = budget.evict_to_fit(self, conn, self.capacity, files, keep)
         self.counters.evictions += len(evicted)
         return evicted, freed
 
