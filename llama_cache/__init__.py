@@ -15,6 +15,9 @@ The public API, exported once here:
 - :class:`Llama`, a ``llama_cpp.Llama`` whose prompt cache stores compact :class:`LlamaState`\ s,
   reuses partial prefixes and serves exact repeats without a decode; :class:`IncompatibleStateError`
   when a state belongs to another model.
+- :class:`Engine`, one model serving many requests at once: one llama.cpp context, its sequences
+  batched step by step, prompts' shared heads held once; :meth:`Engine.submit` returns an
+  :class:`EngineRequest` to stream or wait for.
 - :class:`HybridCheckpoint` and :class:`HybridCheckpointCache`: sequence-state checkpoints for recurrent
   and hybrid models, whose memory cannot be cut back.
 - :class:`CacheStats`, the counters every cache's ``stats()`` returns.
@@ -31,6 +34,8 @@ from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.tiered import TieredCache
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.checkpoints import HybridCheckpoint, HybridCheckpointCache
+from llama_cache.engine.engine import Engine
+from llama_cache.engine.requests import EngineRequest
 from llama_cache.index import TrieNode
 from llama_cache.llama import Llama
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState
@@ -61,6 +66,8 @@ __all__ = [
     "BaseLlamaCache",
     "CacheDirectoryError",
     "CacheStats",
+    "Engine",
+    "EngineRequest",
     "HybridCheckpoint",
     "HybridCheckpointCache",
     "IncompatibleStateError",

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from llama_cache import Llama, LlamaRAMCache, default_model_path
-from llama_cache.engine import Engine
+from llama_cache import Engine
 from llama_cache.engine.residency import Residency
 from llama_cache.engine.text import StopText
 

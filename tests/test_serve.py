@@ -644,6 +644,40 @@ def test_the_context_runs_with_the_configured_threads_flash_attention_and_a_unif
     assert params.kv_unified and params.n_ctx == N_CTX and params.n_seq_max >= 2
 
 
+def test_deterministic_serving_answers_concurrent_requests_as_each_alone() -> None:
+    import argparse
+
+    from llama_cache.server.config import add_serve_command, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_serve_command(parser.add_subparsers(), [])
+    assert config_from_args(parser.parse_args(["serve", "--deterministic"]), {}).deterministic is True
+    assert config_from_args(parser.parse_args(["serve"]), {"LLAMA_CACHE_DETERMINISTIC": "on"}).deterministic is True
+    assert config_from_args(parser.parse_args(["serve"]), {}).deterministic is False
+    questions = ["What is rain?", "Name a red fruit.", "What is a river?", "Why do birds sing?"]
+
+    def ask(live: LiveServer, question: str) -> str:
+        reply = live.client().chat.completions.create(
+            model="m", messages=[{"role": "system", "content": "Answer briefly."},
+                                 {"role": "user", "content": question}], max_tokens=16, temperature=0)
+        return reply.choices[0].message.content or ""
+
+    answers = []
+    for together in (True, False):  # each on a fresh server: no request repeats one it served
+        live = LiveServer(ServerConfig(n_ctx=4 * 512, parallel=4, deterministic=True))
+        try:
+            params = live.service.engine.context.params
+            assert not params.kv_unified and live.service.n_ctx == 511  # a stream of its own per request
+            if together:
+                with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                    answers.append(list(pool.map(lambda q, s=live: ask(s, q), questions)))
+            else:
+                answers.append([ask(live, question) for question in questions])
+        finally:
+            live.stop()
+    assert answers[0] == answers[1] and all(answers[0])
+
+
 def test_a_damaged_disk_index_is_moved_aside_and_counted_the_server_starts(tmp_path: Path) -> None:
     cache_dir = tmp_path / "cache"
     LlamaDiskCache(cache_dir).close()

@@ -82,6 +82,18 @@ class Completions:
         self.last_prompt_length = 0
         """Tokens in the last completion's prompt."""
         self._generation: Generation | None = None
+        self._run: _Run | None = None
+
+    @property
+    def last_generation(self) -> Generation | None:
+        """The last completion's generation (None before the first)."""
+        return self._generation
+
+    @property
+    def last_completion_tokens(self) -> int:
+        """Tokens the last completion answered so far (an end-of-generation token not counted)."""
+        run = self._run
+        return 0 if run is None else run.completion_tokens
 
     @property
     def last_prompt_tokens_evaluated(self) -> int:
@@ -180,8 +192,9 @@ class Completions:
             restore=engine.lookup(checked, self.fingerprint),
             keep_state=engine.store_finished or self.after_generation is not None)
         self._generation = generation
+        self._run = run
         self.last_prompt_length = len(checked)
-        engine.submit(generation)
+        engine.enqueue(generation)
         identity = f"cmpl-{uuid.uuid4()}"
         created = int(time.time())
         name = model or str(engine.model.path.stem)

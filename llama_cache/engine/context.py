@@ -1,13 +1,15 @@
 """The engine's one llama.cpp context: its batch, its decode, its memory and per-sequence state.
 
-:class:`BatchContext` owns a ``llama_context`` made with a unified KV cache (``kv_unified``: every
-sequence draws cells from one pool of ``n_ctx``, as ``llama-server -c N --kv-unified``) and
-``n_seq_max`` sequence ids, and one reusable ``llama_batch`` whose arrays are numpy buffers: a step
-fills them with vectorised writes, not a ctypes call per row.
+:class:`BatchContext` owns a ``llama_context`` with ``n_seq_max`` sequence ids and one reusable
+``llama_batch`` whose arrays are numpy buffers: a step fills them with vectorised writes, not a ctypes
+call per row. Its KV cache is unified by default (``kv_unified``: every sequence draws cells from one
+pool of ``n_ctx``, as ``llama-server -c N --kv-unified``, and copied heads share their cells); without
+it, each sequence has a stream of its own of ``n_ctx / n_seq_max`` cells (rounded up to 256 by
+llama.cpp) whose cells are always in position order, and a copied head is copied, not shared.
 
 What changes the context's memory is here, each a thin, checked call of llama.cpp's API
 (``spec/llama_context_state_api.md``): :meth:`decode`, :meth:`copy_cells` (``llama_memory_seq_cp``:
-cells shared, nothing copied), :meth:`cut` (``llama_memory_seq_rm``), :meth:`read_sequence` /
+cells shared, nothing copied; per-sequence streams: the source's state written into the target), :meth:`cut` (``llama_memory_seq_rm``), :meth:`read_sequence` /
 :meth:`write_sequence` (``llama_state_seq_get_data_ext`` / ``_set_data_ext``).
 
 Thread-safety: none. One thread (the scheduler's) makes every call; the numpy views returned by
@@ -43,7 +45,8 @@ class ContextSettings:
 
     ``n_ctx`` is the pool of cells every sequence shares; ``n_seq_max`` the sequence ids (at most
     llama.cpp's ``llama_max_parallel_sequences()``); ``n_batch`` the most rows one decode takes (also
-    its ubatch: one ubatch per decode).
+    its ubatch: one ubatch per decode); ``kv_unified`` False gives each sequence a stream of its own
+    (see the module's docstring).
     """
 
     n_ctx: int
@@ -51,6 +54,7 @@ class ContextSettings:
     n_batch: int = 512
     n_threads: int = 2
     flash_attn: bool = True
+    kv_unified: bool = True
 
 
 class BatchContext:
@@ -81,7 +85,7 @@ class BatchContext:
         params.n_threads_batch = settings.n_threads
         params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attn
                                   else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        params.kv_unified = True
+        params.kv_unified = settings.kv_unified
         params.no_perf = True
         self.params = params
         """The ``llama_context_params`` used (what a state's fingerprint records)."""
@@ -92,6 +96,10 @@ class BatchContext:
         self.memory: Any = llama_cpp.llama_get_memory(pointer)
         self.n_ctx = int(llama_cpp.llama_n_ctx(pointer))
         """Cells in the pool (llama.cpp may round ``settings.n_ctx`` up)."""
+        self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(pointer))
+        """The most cells one sequence may hold: the pool when unified, else its stream."""
+        self.shares_cells = settings.kv_unified
+        """Whether sequences share a head's cells (:meth:`copy_cells`) rather than copy them."""
         self.n_batch = settings.n_batch
         self.n_vocab = model.n_vocab
         n = settings.n_batch
@@ -144,11 +152,26 @@ class BatchContext:
 
     # -- memory ------------------------------------------------------------------------------------
 
-    def copy_cells(self, source: int, target: int, n_tokens: int) -> None:
-        """Make ``target`` hold ``source``'s first ``n_tokens`` positions: the same cells, shared
-        (recurrent memory: its state is copied whole, ``n_tokens`` ignored)."""
-        end = -1 if self.model.recurrent else n_tokens
-        llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, end)
+    def copy_cells(self, source: int, target: int, n_tokens: int) -> bool:
+        """Make ``target`` (empty) hold ``source``'s first ``n_tokens`` positions: the same cells,
+        shared (recurrent memory: its state is copied whole, ``n_tokens`` ignored). With a stream per
+        sequence, ``source``'s state is read and written into ``target``'s stream, then cut: O(its
+        bytes), done before this returns (llama.cpp's own cross-stream copy waits for the next decode,
+        by when either stream may have changed).
+
+        Returns:
+            False (``target`` empty) if llama.cpp refused the copy.
+        """
+        if self.shares_cells:
+            end = -1 if self.model.recurrent else n_tokens
+            llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, end)
+            return True
+        if not self.write_sequence(target, self.read_sequence(source)):
+            return False
+        if not self.model.recurrent and not self.cut(target, n_tokens):
+            self.cut(target)
+            return False
+        return True
 
     def cut(self, sequence: int, start: int = 0) -> bool:
         """Drop ``sequence``'s positions from ``start`` on (0: all of them); False if the memory cannot
@@ -160,20 +183,35 @@ class BatchContext:
         llama_cpp.llama_memory_clear(self.memory, True)
 
     def read_sequence(self, sequence: int, flags: int = 0) -> npt.NDArray[np.uint8]:
-        """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer."""
+        """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer.
+
+        Always in the one-stream form a unified KV writes: with a stream per sequence, llama.cpp
+        writes every stream's cell count, all but the sequence's own zero, and those are left out
+        (:meth:`write_sequence` puts them back), so that a state has one shape in every cache tier.
+
+        Raises:
+            DecodeFailed: llama.cpp wrote something else than it announced.
+        """
         size = int(llama_cpp.llama_state_seq_get_size_ext(self.pointer, sequence, flags))
         buffer = np.empty(size, dtype=np.uint8)
         written = int(llama_cpp.llama_state_seq_get_data_ext(
             self.pointer, buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, sequence, flags))
         if written != size:
             raise DecodeFailed(f"llama.cpp wrote {written} of a {size}-byte sequence state")
-        return buffer
+        if self.shares_cells or self.model.recurrent:
+            return buffer
+        return _one_stream(buffer, self.settings.n_seq_max)
 
     def write_sequence(self, sequence: int, data: Any, flags: int = 0) -> bool:
         """Restore a state made by :meth:`read_sequence` (or a :class:`~llama_cache.LlamaState`'s bytes)
         into ``sequence``, which must be empty; False (and ``sequence`` empty) if llama.cpp refused it,
         e.g. when the pool has no contiguous run of free cells for it."""
         array = np.asarray(data, dtype=np.uint8)
+        if not self.shares_cells and not self.model.recurrent:
+            spread = _every_stream(array, self.settings.n_seq_max)
+            if spread is None:
+                return False
+            array = spread
         read = int(llama_cpp.llama_state_seq_set_data_ext(
             self.pointer, array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(array), sequence, flags))
         if read != len(array):
@@ -186,3 +224,50 @@ class BatchContext:
         if not self._closed:
             self._closed = True
             llama_cpp.llama_free(self.pointer)
+
+
+# A sequence's state starts with u32 magic, i32 sequence id, u32 stream count; then, per stream, a u32
+# cell count and, if it is not 0, that stream's cells and their KV (``llama_kv_cache::state_write``).
+_STREAMS_AT = 8
+_BLOCKS_AT = 12
+
+
+def _one_stream(data: npt.NDArray[np.uint8], n_stream: int) -> npt.NDArray[np.uint8]:
+    """``data`` written by a KV with ``n_stream`` streams, of which one at most holds cells, in the form
+    of a one-stream KV. O(its bytes): one copy.
+
+    Raises:
+        DecodeFailed: more than one stream holds cells, or the bytes are not shaped so.
+    """
+    if len(data) < _BLOCKS_AT + 4 * n_stream or int(data[_STREAMS_AT:_BLOCKS_AT].view("<u4")[0]) != n_stream:
+        raise DecodeFailed("a sequence state of an unexpected shape")
+    # The leading words up to the first non-zero one are empty streams' counts (what follows is cells).
+    words = np.frombuffer(data, dtype="<u4", count=n_stream, offset=_BLOCKS_AT) != 0
+    before = int(np.argmax(words)) if words.any() else n_stream
+    if before == n_stream:  # no cells in any stream
+        out = np.zeros(_BLOCKS_AT + 4, dtype=np.uint8)
+        out[:_STREAMS_AT] = data[:_STREAMS_AT]
+        out[_STREAMS_AT:_BLOCKS_AT].view("<u4")[0] = 1
+        return out
+    after = n_stream - 1 - before
+    end = len(data) - 4 * after
+    if after and (end < _BLOCKS_AT or data[end:].any()):
+        raise DecodeFailed("a sequence state holds cells in more than one stream")
+    start = _BLOCKS_AT + 4 * before
+    out = np.empty(_BLOCKS_AT + end - start, dtype=np.uint8)
+    out[:_STREAMS_AT] = data[:_STREAMS_AT]
+    out[_STREAMS_AT:_BLOCKS_AT].view("<u4")[0] = 1
+    out[_BLOCKS_AT:] = data[start:end]
+    return out
+
+
+def _every_stream(data: npt.NDArray[np.uint8], n_stream: int) -> npt.NDArray[np.uint8] | None:
+    """A one-stream state (:func:`_one_stream`'s form) as a KV with ``n_stream`` streams reads it: its
+    cells first (llama.cpp restores them into the target sequence's own stream), then the other
+    streams' empty counts. None if ``data`` is not a one-stream state."""
+    if len(data) < _BLOCKS_AT + 4 or int(data[_STREAMS_AT:_BLOCKS_AT].view("<u4")[0]) != 1:
+        return None
+    out = np.zeros(len(data) + 4 * (n_stream - 1), dtype=np.uint8)
+    out[: len(data)] = data
+    out[_STREAMS_AT:_BLOCKS_AT].view("<u4")[0] = n_stream
+    return out

@@ -17,8 +17,10 @@ touches the context.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,10 @@ import numpy.typing as npt
 
 from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
+from llama_cache.engine.completions import Completions
 from llama_cache.engine.context import BatchContext, ContextSettings
 from llama_cache.engine.model import Model
+from llama_cache.engine.requests import EngineRequest
 from llama_cache.engine.residency import Residency
 from llama_cache.engine.scheduler import Generation, Scheduler
 from llama_cache.state.fingerprint import context_fingerprint, describe_model, namespaced_fingerprint
@@ -39,6 +43,19 @@ from llama_cache.state.llama_state import LlamaState
 __all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
+
+
+def _keywords(function: Any, *excluded: str) -> frozenset[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return frozenset(p.name for p in parameters if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+                     ) - {"self", *excluded}
+
+
+# What Engine.submit takes: llama-cpp-python's own options (its chat method's for messages) but those
+# the engine does not apply (a server adds log probabilities and echo itself).
+_NOT_APPLIED = ("prompt", "messages", "stream", "logprobs", "top_logprobs", "echo", "suffix")
+_COMPLETION_OPTIONS = _keywords(Completions.create_completion, *_NOT_APPLIED)
+_CHAT_OPTIONS = _keywords(llama_cpp.Llama.create_chat_completion, *_NOT_APPLIED)
 
 
 class Engine:
@@ -59,19 +76,29 @@ class Engine:
             eviction and at :meth:`close`).
         chat_template: a Jinja2 chat template instead of the model's.
         prefill_while_generating: prompt tokens per step while sequences generate.
+        deterministic: a greedy answer is the same alone or under any load, bit for bit: each
+            sequence has a KV stream of its own (``n_ctx / n_seq_max`` cells, rounded up to 256 by
+            llama.cpp; one is kept spare), its rows are decoded apart from other sequences', and a
+            head it reuses is copied rather than shared (see :mod:`.scheduler`). Transformer models
+            only. ``idle_sequences`` then defaults to 0 (each sequence id takes its stream's cells).
 
     Raises:
         FileNotFoundError: the model file does not exist.
-        ValueError: llama.cpp could not load it or make the context, or an argument is out of range.
+        ValueError: llama.cpp could not load it or make the context, an argument is out of range,
+            or ``deterministic`` was asked of a model with recurrent memory.
     """
 
     def __init__(self, model_path: str | os.PathLike[str] | None = None, *, n_ctx: int = 4096, parallel: int = 4,
                  idle_sequences: int | None = None, n_threads: int | None = None, n_batch: int = 512,
                  flash_attn: bool = True, cache: BaseLlamaCache | None = None, store_finished: bool = False,
-                 chat_template: str | None = None, prefill_while_generating: int = 128) -> None:
+                 chat_template: str | None = None, prefill_while_generating: int = 128,
+                 deterministic: bool = False) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be positive, got {parallel}")
-        idle = max(parallel, 4) if idle_sequences is None else idle_sequences
+        if idle_sequences is not None:
+            idle = idle_sequences
+        else:
+            idle = 0 if deterministic else max(parallel, 4)
         if idle < 0:
             raise ValueError(f"idle_sequences must not be negative, got {idle}")
         n_seq = min(parallel + idle, int(llama_cpp.llama_max_parallel_sequences()))
@@ -80,14 +107,20 @@ class Engine:
         path = Path(model_path) if model_path is not None else default_model_path()
         self.model = Model(path, chat_template)
         try:
+            if deterministic and self.model.recurrent:
+                raise ValueError(f"deterministic mode needs a transformer model; {path.name} has recurrent memory")
             threads = n_threads or len(os.sched_getaffinity(0))
             self.context = BatchContext(self.model, ContextSettings(
-                n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_threads=threads, flash_attn=flash_attn))
+                n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_threads=threads, flash_attn=flash_attn,
+                kv_unified=not deterministic))
         except BaseException:
             self.model.close()
             raise
         self.parallel = parallel
-        self.n_ctx = self.context.n_ctx
+        self.deterministic = deterministic
+        self.n_ctx = self.context.n_ctx_seq - 1 if deterministic else self.context.n_ctx
+        """The most tokens one request may hold (its prompt and answer): the pool, or in
+        deterministic mode its sequence's stream but the spare cell."""
         self.model_fingerprint = context_fingerprint(path, self.model.pointer, self.context.params, self.model.n_vocab)
         """The model's bytes and the context's KV-shaping settings: what its states carry."""
         self.cache = cache
@@ -96,9 +129,10 @@ class Engine:
             bind = getattr(cache, "bind", None)
             if callable(bind) and getattr(cache, "fingerprint", "") is None:
                 bind(self.model_fingerprint, model_info=describe_model(path, self.model.pointer))
-        self.residency = Residency(n_seq, whole_states_only=self.model.recurrent)
+        self.residency = Residency(n_seq, whole_states_only=self.model.recurrent, shared_cells=not deterministic)
         self.scheduler = Scheduler(self.context, self.residency, store=self.store if cache is not None else None,
-                                   max_running=n_seq, prefill_while_generating=prefill_while_generating)
+                                   max_running=n_seq, prefill_while_generating=prefill_while_generating,
+                                   deterministic=deterministic)
         self._closed = False
 
     # -- namespaces and reuse ----------------------------------------------------------------------
@@ -156,12 +190,61 @@ class Engine:
         return {"waiting": self.scheduler.waiting, "tokens": stats.tokens, "steps": stats.steps,
                 "shared_tokens": stats.shared_tokens, "restored_tokens": stats.restored_tokens,
                 "evicted_sequences": stats.evicted, "preempted": stats.preempted,
-                "kv_cells": self.n_ctx, "kv_cells_in_use": self.residency.cells_in_use()}
+                "kv_cells": self.context.n_ctx, "kv_cells_in_use": self.residency.cells_in_use()}
 
     # -- generations ------------------------------------------------------------------------------
 
-    def submit(self, generation: Generation) -> None:
-        """Queue one sequence's generation (see :class:`~.scheduler.Generation`).
+    def submit(self, prompt: str | Sequence[int] | npt.NDArray[np.integer] | list[dict[str, Any]], /, *, namespace: str | None = None,
+               **options: Any) -> EngineRequest:
+        """Start one completion and return at once: its generation is queued, batched with whatever
+        else runs.
+
+        Args:
+            prompt: a text or token ids (``llama_cpp.Llama.create_completion``'s prompt, with its
+                defaults: 16 tokens at temperature 0.8), or chat messages (``create_chat_completion``'s,
+                rendered by the model's chat template, with its defaults).
+            namespace: the cache namespace: only sequences and states of the same one are reused
+                (None: the model's own).
+            options: that method's sampling keywords (``max_tokens``, ``temperature``, ``top_p``,
+                ``top_k``, ``min_p``, ``stop``, ``seed``, penalties, ``logits_processor``, ...); not
+                ``logprobs``, ``echo`` or ``suffix``, which the engine does not apply.
+
+        Returns:
+            An :class:`~.requests.EngineRequest`: iterate it for the text as it comes, or call its
+            ``result()`` for the whole response.
+
+        Raises:
+            ValueError: the prompt is empty or does not fit, holds a token outside the vocabulary, or
+                an option is not one of the method's.
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if "stream" in options:
+            raise ValueError("submit() always streams: iterate the request, or call its result()")
+        chat = isinstance(prompt, list) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+        unknown = sorted(set(options) - (_CHAT_OPTIONS if chat else _COMPLETION_OPTIONS))
+        if unknown:
+            raise ValueError(f"not an option of {'create_chat_completion' if chat else 'create_completion'}: "
+                             f"{', '.join(unknown)}")
+        cancelled = threading.Event()
+        completions = self.completions(namespace, cancelled=cancelled.is_set)
+        try:
+            if chat:
+                chunks = completions.create_chat_completion(prompt, stream=True, **options)  # type: ignore[arg-type]
+            elif isinstance(prompt, np.ndarray):
+                chunks = completions.create_completion(prompt.tolist(), stream=True, **options)
+            elif isinstance(prompt, str) or (isinstance(prompt, Sequence) and not isinstance(prompt, bytes)):
+                chunks = completions.create_completion(prompt, stream=True, **options)  # type: ignore[arg-type]
+            else:
+                raise ValueError(f"a prompt is a text, token ids or chat messages, not {type(prompt).__name__}")
+        except TypeError as error:
+            raise ValueError(str(error)) from None
+        return EngineRequest(completions, iter(chunks), chat, cancelled)
+
+    def enqueue(self, generation: Generation) -> None:
+        """Queue one sequence's generation (see :class:`~.scheduler.Generation`): what
+        :class:`~.completions.Completions` does for each completion.
 
         Raises:
             RuntimeError: the engine is closed.
@@ -169,11 +252,15 @@ class Engine:
         """
         self.scheduler.submit(generation)
 
-    def completions(self, namespace: str | None = None, **options: Any) -> Any:
+    def completions(self, namespace: str | None = None, **options: Any) -> Completions:
         """llama-cpp-python's completion API for one request on this engine
-        (:class:`~.completions.Completions`; ``options`` are its keyword arguments)."""
-        from llama_cache.engine.completions import Completions
+        (:class:`~.completions.Completions`; ``options`` are its keyword arguments).
 
+        Raises:
+            RuntimeError: the engine is closed.
+        """
+        if self._closed:
+            raise RuntimeError("the engine is closed")
         return Completions(self, self.fingerprint(namespace), **options)
 
     def close(self) -> None:

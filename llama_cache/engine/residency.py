@@ -9,7 +9,9 @@ Cells are shared between sequences by ``llama_memory_seq_cp``, so a sequence's t
 its own. Each resident's positions are a list of spans of *blocks*: a block is a run of cells one
 sequence evaluated; copying a head to another sequence gives it the same blocks, cut at the head.
 The cells in use are, for each block, the furthest any holder reaches into it
-(:meth:`Residency.cells_in_use`), which is exactly what llama.cpp's unified KV keeps.
+(:meth:`Residency.cells_in_use`), which is exactly what llama.cpp's unified KV keeps. Where each
+sequence has a KV stream of its own (``shared_cells`` False), a copied head is a new block of the
+target's.
 
 Thread-safety: the scheduler's thread changes a residency; :meth:`Residency.reusable` and
 :meth:`Residency.cells_in_use` may be called from any thread (one lock guards the tables).
@@ -67,12 +69,14 @@ class Residency:
         n_seq: sequence ids (``n_seq_max`` of the context).
         whole_states_only: the model's memory cannot be cut back (recurrent or hybrid): a sequence
             is reusable only for a prompt it wholly prefixes, and copies take all of it.
+        shared_cells: copies share the source's cells (a unified KV); False: they are the target's own.
     """
 
-    def __init__(self, n_seq: int, whole_states_only: bool = False) -> None:
+    def __init__(self, n_seq: int, whole_states_only: bool = False, shared_cells: bool = True) -> None:
         if n_seq < 1:
             raise ValueError(f"n_seq must be positive, got {n_seq}")
         self.whole_states_only = whole_states_only
+        self.shared_cells = shared_cells
         self.residents = [Resident(seq=i) for i in range(n_seq)]
         self._blocks = itertools.count()
         self._clock = itertools.count(1)
@@ -168,7 +172,10 @@ class Residency:
         with self._lock:
             if self.whole_states_only:
                 n_tokens = source.n
-            target.spans = _cut_spans(source.spans, n_tokens)
+            if self.shared_cells:
+                target.spans = _cut_spans(source.spans, n_tokens)
+            else:
+                target.spans = [(next(self._blocks), 0, n_tokens)] if n_tokens else []
             if len(target._tokens) < n_tokens:
                 target._tokens = np.empty(max(64, 2 * n_tokens), dtype=np.int32)
             target._tokens[:n_tokens] = source._tokens[:n_tokens]

@@ -16,6 +16,14 @@ Each step the :class:`Scheduler`
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
    generation's ``on_token`` says whether it ends there.
 
+Deterministic mode (``deterministic``, over a context with a KV stream per sequence): each
+generation's rows are decoded on their own, in decodes of 2 to :data:`DETERMINISTIC_ROWS` rows (a
+lone row gets a throwaway second one at the next position, cut right after). llama.cpp's CPU
+attention then always takes its one path that visits a sequence's cells in order and skips other
+cells exactly (one query row takes a path split by the cells in view, 64 rows or more a tiled one),
+and with its cells in position order in its own stream, a sequence's logits depend only on its own
+tokens: a greedy answer is the same alone or under any load, at the cost of batching.
+
 Memory: the pool's cells are counted exactly (:meth:`~.residency.Residency.cells_in_use`). When a step
 needs more than are free, idle sequences are evicted, least recently used first, their state given to
 the cache tiers first (``store``); if that is not enough, the youngest running generation is
@@ -43,13 +51,17 @@ from llama_cache.engine.residency import Resident, Residency, common_prefix
 from llama_cache.engine.sampling import Sampler
 from llama_cache.state.llama_state import LlamaState
 
-__all__ = ["MIN_SHARED_TOKENS", "Generation", "Scheduler", "SchedulerStats"]
+__all__ = ["DETERMINISTIC_ROWS", "MIN_SHARED_TOKENS", "Generation", "Scheduler", "SchedulerStats"]
 
 logger = logging.getLogger(__name__)
 
 MIN_SHARED_TOKENS = 32
 """The shortest head of another prefill in flight worth waiting for (chat prompts all share their
 template's first few tokens)."""
+
+DETERMINISTIC_ROWS = 63
+"""The most rows of a decode in deterministic mode: llama.cpp's CPU flash attention tiles 64 query
+rows or more (``GGML_FA_TILE_Q``), a path whose sums depend on where a sequence's cells lie."""
 
 TokenCallback = Callable[[int], "str | None"]
 """Told each sampled token on the scheduler's thread; returns a finish reason to end the generation."""
@@ -133,17 +145,23 @@ class Scheduler:
             drop their state.
         max_running: generations running at once (the others wait); at most the sequence ids.
         prefill_while_generating: prompt rows per step while a sequence generates.
+        deterministic: each generation's rows in decodes of their own (see the module's docstring);
+            the context must give each sequence a stream of its own, with a cell to spare beyond
+            what any generation holds.
     """
 
     def __init__(self, context: BatchContext, residency: Residency, *,
                  store: Callable[[LlamaState], None] | None = None, max_running: int | None = None,
-                 prefill_while_generating: int = 128) -> None:
+                 prefill_while_generating: int = 128, deterministic: bool = False) -> None:
+        if deterministic and context.shares_cells:
+            raise ValueError("deterministic mode needs a KV stream per sequence (kv_unified off)")
         self.context = context
         self.residency = residency
         self._store = store
         n_seq = len(residency.residents)
         self.max_running = min(max_running or n_seq, n_seq)
         self.prefill_while_generating = max(1, min(prefill_while_generating, context.n_batch))
+        self.deterministic = deterministic
         self.stats = SchedulerStats()
         self._condition = threading.Condition()
         self._inbox: list[Generation] = []
@@ -163,8 +181,9 @@ class Scheduler:
             RuntimeError: the scheduler is closed.
             ValueError: its prompt is empty or does not fit the pool.
         """
-        if not 0 < len(generation.prompt) < self.context.n_ctx:
-            raise ValueError(f"a prompt takes 1 to {self.context.n_ctx - 1} tokens, got {len(generation.prompt)}")
+        limit = self.context.n_ctx_seq - (1 if self.deterministic else 0)
+        if not 0 < len(generation.prompt) < limit:
+            raise ValueError(f"a prompt takes 1 to {limit - 1} tokens, got {len(generation.prompt)}")
         with self._condition:
             if self._closed:
                 raise RuntimeError("the engine is closed")
@@ -242,7 +261,7 @@ class Scheduler:
             rows = plan[-1][1] + plan[-1][2]
             decode_started = time.perf_counter()
             try:
-                self.context.decode(rows)
+                self._decode(plan)
             except NoCells:
                 logger.debug("no cells for a %d-row batch; evicting", rows)
                 if not self._evict_one() and not self._preempt_youngest():
@@ -251,11 +270,11 @@ class Scheduler:
             except DecodeFailed as error:
                 logger.error("%s; ending the generations of the batch", error)
                 for generation, _, _ in plan:
-                    self._finish(generation, "error", error)
+                    if generation in self._running:
+                        self._finish(generation, "error", error)
                 return True
             finally:
                 self.stats.decode_seconds += time.perf_counter() - decode_started
-            self._advance(plan)
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - started
             return True
@@ -316,8 +335,7 @@ class Scheduler:
             elif restore is not None and self._restore(target, restore, usable, tokens):
                 reused = usable
                 generation.restored = usable
-            elif source is not None and reused > 0:
-                self.context.copy_cells(source.seq, target.seq, reused)
+            elif source is not None and reused > 0 and self.context.copy_cells(source.seq, target.seq, reused):
                 residency.copied(source, target, reused)
                 self.stats.shared_tokens += reused
             else:
@@ -345,9 +363,8 @@ class Scheduler:
             target: Resident | None = source
         else:
             target = residency.free() or self._evict_one(keep=source)
-            if target is None:
+            if target is None or not self.context.copy_cells(source.seq, target.seq, reused):
                 return False
-            self.context.copy_cells(source.seq, target.seq, reused)
             residency.copied(source, target, reused)
             self.stats.shared_tokens += reused
         residency.claim(target, generation.fingerprint)
@@ -483,15 +500,15 @@ class Scheduler:
         plan: list[tuple[Generation, int, int]] = []
         rows = 0
         for generation in decoding[: context.n_batch]:
-            self._fill(generation, rows, 1)
             plan.append((generation, rows, 1))
             rows += 1
         budget = context.n_batch - rows
         if rows:
             budget = min(budget, self.prefill_while_generating)
         free = self._free_cells() - rows
+        chunk = DETERMINISTIC_ROWS if self.deterministic else context.n_batch
         for generation in [g for g in self._running if not g.generating]:
-            take = min(len(generation.todo), budget)
+            take = min(len(generation.todo), budget, chunk)
             if take <= 0:
                 break
             if take > free:
@@ -500,7 +517,6 @@ class Scheduler:
                 take = min(take, free)
             if take <= 0:
                 break
-            self._fill(generation, rows, take)
             plan.append((generation, rows, take))
             rows += take
             budget -= take
@@ -508,6 +524,37 @@ class Scheduler:
         if not plan and self._running and self._preempt_youngest():
             return self._plan()
         return plan
+
+    def _decode(self, plan: list[tuple[Generation, int, int]]) -> None:
+        """Evaluate the plan's rows and sample where they end: one batch, or in deterministic mode one
+        decode per generation (a lone row with a throwaway second one, cut after).
+
+        Raises:
+            NoCells, DecodeFailed: as :meth:`~.context.BatchContext.decode` (generations already
+                decoded in this call have advanced).
+        """
+        if not self.deterministic:
+            for generation, row, count in plan:
+                self._fill(generation, row, count)
+            self.context.decode(plan[-1][1] + plan[-1][2])
+            self._advance(plan)
+            return
+        context = self.context
+        for generation, _, count in plan:
+            self._fill(generation, 0, count)
+            resident = generation.resident
+            assert resident is not None
+            rows = count
+            if count == 1:
+                context.tokens[1] = context.tokens[0]
+                context.positions[1] = context.positions[0] + 1
+                context.sequences[1] = resident.seq
+                context.wants_logits[1] = 0
+                rows = 2
+            context.decode(rows)
+            if rows > count and not context.cut(resident.seq, resident.n + count):
+                raise DecodeFailed("a deterministic decode's extra row could not be cut")
+            self._advance([(generation, 0, count)])
 
     def _fill(self, generation: Generation, row: int, count: int) -> None:
         context = self.context

@@ -94,8 +94,11 @@ class ServerConfig:
     Attributes:
         model_path: the GGUF file (None: the embedded default model).
         host, port: where to listen.
-        n_ctx: each context's size in tokens.
-        parallel: contexts, hence requests served at once.
+        n_ctx: the KV cells of the one context, shared by every request (one may use them all).
+        parallel: requests served at once, each a sequence batched with the others.
+        deterministic: a greedy answer is the same alone or under any load, bit for bit (see
+            :class:`llama_cache.Engine`): each request's KV is a stream of ``n_ctx / parallel`` cells
+            of its own and its rows are decoded apart, at a throughput cost.
         cache_ram: byte budget of the RAM prompt cache, the fastest tier.
         cache_dir: the disk tier's directory, behind RAM; None: no disk tier.
         cache_disk: byte budget of the disk tier.
@@ -162,6 +165,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     n_threads: int | None = None
     flash_attn: bool = True
+    deterministic: bool = False
     redis_write_through: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
@@ -300,6 +304,10 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
                         f"connections served at once; one more is answered 503 and closed "
                         f"(default {DEFAULT_MAX_CONNECTIONS})"),
     # A flag on the command line (bool), on or off in the environment.
+    "deterministic": ("LLAMA_CACHE_DETERMINISTIC", bool,
+                      "a greedy answer is the same alone or under any load, bit for bit: each request's KV is "
+                      "n_ctx/parallel cells of its own and its rows are decoded apart from the others' "
+                      "(slower; default off: answers may differ slightly with the load, as llama-server's)"),
     "metrics_public": ("LLAMA_CACHE_METRICS_PUBLIC", bool, "serve /metrics without a key when keys are set"),
     "cache_shared_across_keys": ("LLAMA_CACHE_CACHE_SHARED_ACROSS_KEYS", bool,
                                  "let every API key's requests share one prompt cache (default: one per key; "

@@ -18,7 +18,7 @@ from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.caches.redis_tier import LlamaRedisCache, redact_url
 from llama_cache.caches.tiered import TieredCache
-from llama_cache.engine import Engine
+from llama_cache.engine.engine import Engine
 from llama_cache.server.config import ServerConfig
 from llama_cache.server.constraints import ConstraintCompiler
 from llama_cache.server.gate import RequestGate
@@ -109,7 +109,7 @@ def load_service(config: ServerConfig) -> Service:
     threads = config.context_options()["n_threads"]
     engine = Engine(config.model_path, n_ctx=config.n_ctx, parallel=config.parallel, n_threads=threads,
                     n_batch=config.context_options()["n_batch"], flash_attn=config.flash_attn, cache=cache,
-                    store_finished=len(tiers) > 1, chat_template=template)
+                    store_finished=len(tiers) > 1, chat_template=template, deterministic=config.deterministic)
     try:
         model = engine.model
         tokenizer = ServedTokenizer(model, TokenizationMemo(max_tokens=engine.n_ctx))
