@@ -90,10 +90,13 @@ def test_chat_streamed_and_not(server: LiveServer, reference: Llama) -> None:
     assert text == expected["content"]
 
 
-def test_multi_turn_conversation_equals_llama_and_is_served_from_the_cache(reference: Llama) -> None:
+def test_multi_turn_conversation_equals_llama_and_is_served_from_the_cache() -> None:
     # A server of its own: each turn continues the conversation's sequence, whose cells are then in
     # position order as a single context's are, so greedy answers equal the library's bit for bit (with
     # other conversations' cells freed and reused in between, the order, and so the floats, may differ).
+    # The library's Llama is fresh too, each turn continuing its context as the server's sequence does:
+    # one that evaluated other prompts before starts from other cells, whose floats may differ.
+    reference = Llama(model_path=str(default_model_path()), verbose=False, **ServerConfig(n_ctx=N_CTX).context_options())
     live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2))
     try:
         client = live.client()
@@ -115,6 +118,7 @@ def test_multi_turn_conversation_equals_llama_and_is_served_from_the_cache(refer
         assert after["llama_cache_prompt_tokens_cached_total"] > after["llama_cache_prompt_tokens_total"] / 3
     finally:
         live.stop()
+        reference.close()
 
 
 def test_eight_concurrent_clients_get_their_own_answers(server: LiveServer) -> None:
