@@ -63,7 +63,7 @@ def test_sequences_decoded_together_each_get_their_own_tokens() -> None:
         answers: dict[int, str] = {}
 
         def ask(index: int) -> None:
-            from llama_cache.server.sequences import LogitBias
+            from llama_cache.engine.sequences import LogitBias
 
             bias = LogitBias({ids[index]: 100.0})
             answers[index] = engine.completions().create_completion(

@@ -85,7 +85,7 @@ from llama_cache.server.responses import (
 )
 from llama_cache.server.choices import ChoiceRun
 from llama_cache.server.utilities import UtilityBusy, UtilityLane
-from llama_cache.server.sequences import LogitBias, Penalties, SequenceSampling, TokenLogprobs
+from llama_cache.engine.sequences import LogitBias, Penalties, SequenceSampling, TokenLogprobs
 
 __all__ = ["DrainingServer", "create_app"]
 

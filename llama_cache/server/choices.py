@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from llama_cache.server.sequences import SequenceSampling, TokenLogprob
+from llama_cache.engine.sequences import SequenceSampling, TokenLogprob
 
 __all__ = ["ANSWERED", "ChoiceRun", "Usage"]
 

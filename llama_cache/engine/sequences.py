@@ -2,9 +2,9 @@
 
 A request's choices are sequences; each has a :class:`SequenceSampling`, which owns what must not be
 shared between sequences (a constraint's grammar state, the tokens sampled so far, the log probabilities
-recorded) and is given to llama-cpp-python as the sequence's ``logits_processor`` list. Nothing here
-touches a context: the same objects serve sequences sampled one after another on one context, as now, or
-side by side in one batch.
+recorded) and is given to the engine as the sequence's ``logits_processor`` list, applied to its logits
+row in place before its sampler chain (:mod:`.sampling`). Nothing here touches a context: the same
+objects serve a sequence whatever else its batch holds.
 
 Log probabilities (:class:`TokenLogprobs`) are the log-softmax of the logits the sampler works on at each
 step: the model's row with the ``logit_bias`` added, the tokens a structured output forbids removed, and
@@ -22,8 +22,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-
-from llama_cache.server.constraints import SequenceConstraint
 
 __all__ = ["LogitBias", "Penalties", "SequenceSampling", "TokenLogprob", "TokenLogprobs"]
 
@@ -153,7 +151,8 @@ class SequenceSampling:
     """
 
     seed: int | None = None
-    constraint: SequenceConstraint | None = None
+    constraint: Callable[[Any, Any], Any] | None = None
+    """A structured output's mask, a ``logits_processor`` (the server's ``SequenceConstraint``)."""
     bias: LogitBias | None = None
     logprobs: TokenLogprobs | None = None
     sampled: list[int] = field(default_factory=list)
