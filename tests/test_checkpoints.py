@@ -22,8 +22,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_cache import checkpoints as checkpoints_module
 from llama_cache.caches.base import CacheStats
+from llama_cache.checkpoints import registry
 from llama_cache.checkpoints import (
     HybridCheckpoint,
     HybridCheckpointCache,
@@ -181,7 +181,7 @@ def raw(lfm2: llama_cpp.Llama) -> Iterator[RawContext]:
         yield context
     finally:
         # Closing a context first closes the caches registered on it (its address may be reused).
-        for cache in checkpoints_module._caches_on(context.ctx):
+        for cache in registry._caches_on(context.ctx):
             cache.close()
         context.close()
 
@@ -627,13 +627,13 @@ def test_close(raw: RawContext, prompt: list[int]) -> None:
     cache = HybridCheckpointCache(raw.ctx)
     (cp,) = save_along(cache, raw, prompt, (8,))
     address = raw.ctx
-    assert cache in checkpoints_module._registry[address].caches
+    assert cache in registry._registry[address].caches
     cache.close()
     assert cache.closed and len(cache) == 0 and cache.cache_size == 0
     assert cache.restore_checkpoint(cp) is False
     assert cache.find_best_checkpoint(prompt) is None
     assert cache.save_checkpoint(8, prompt) is False
-    assert address not in checkpoints_module._registry
+    assert address not in registry._registry
     cache.close()  # idempotent
     notify_memory_cleared(raw.ctx)  # reaches no cache, raises nothing
 
@@ -644,7 +644,7 @@ def test_registry_holds_caches_weakly(raw: RawContext) -> None:
     del cache
     gc.collect()
     assert ref() is None
-    assert raw.ctx not in checkpoints_module._registry
+    assert raw.ctx not in registry._registry
 
 
 # ------------------------------------------------------------------------------------------------ misc
