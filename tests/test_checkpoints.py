@@ -546,6 +546,21 @@ def test_notify_seq_changed_and_kept(raw: RawContext, prompt: list[int], other: 
     assert cache.restore_checkpoint(seq0_again) is False
 
 
+def test_drop_checkpoints_touches_only_this_cache(raw: RawContext, prompt: list[int], other: list[int]) -> None:
+    cache = HybridCheckpointCache(raw.ctx)
+    neighbour = HybridCheckpointCache(raw.ctx)
+    at8, at16 = save_along(cache, raw, prompt, (8, 16))
+    (seq1,) = save_along(cache, raw, other, (8,), seq_id=1)
+    (theirs,) = save_along(neighbour, raw, prompt, (24,))
+    cache.drop_checkpoints(0, lambda checkpoint: checkpoint.pos > 8)
+    assert cache.checkpoints == [at8, seq1] and cache.cache_size == at8.size + seq1.size
+    assert cache.restore_checkpoint(at16) is False
+    cache.drop_checkpoints(-1, lambda checkpoint: checkpoint.seq_id == 1)
+    assert cache.checkpoints == [at8]
+    assert neighbour.checkpoints == [theirs]
+    assert cache.stats().evictions == 0
+
+
 def test_restore_drops_later_and_divergent_checkpoints_in_every_cache(
     raw: RawContext, prompt: list[int], other: list[int]
 ) -> None:
