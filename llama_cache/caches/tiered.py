@@ -62,7 +62,6 @@ import numpy as np
 from llama_cache.caches import lifecycle
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.write_behind import WriteBehindQueue
-from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.values import state_tokens
 from llama_cache.tokens import CheckedTokens, TokenArray, as_token_array, checked_tokens, readonly
 
@@ -105,7 +104,8 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     Args:
         tiers: the caches, fastest first: distinct :class:`~llama_cache.caches.base.BaseLlamaCache`
-            instances (prompt caches, not checkpoint caches).
+            instances whose :attr:`~llama_cache.caches.base.BaseLlamaCache.usable_as_tier` is True
+            (prompt caches, not checkpoint caches).
         max_pending: states queued for the slower tiers before the oldest is dropped (default 64).
         write_through: whoever looks a stored key up next, in this process or another sharing a
             tier, finds it (how ``llama-cache serve`` stores in a Redis tier shared by several
@@ -124,7 +124,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         if not isinstance(tiers, Sequence) or isinstance(tiers, (str, bytes)):
             raise TypeError(f"tiers must be a sequence of caches, got {type(tiers).__name__}")
         for tier in tiers:
-            if not isinstance(tier, BaseLlamaCache) or isinstance(tier, HybridCheckpointCache):
+            if not isinstance(tier, BaseLlamaCache) or not tier.usable_as_tier:
                 raise TypeError(f"a tier must be a llama_cache prompt cache, got {type(tier).__name__}")
         if not tiers:
             raise ValueError("a tiered cache needs at least one tier")

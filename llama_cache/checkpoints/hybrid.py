@@ -25,7 +25,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import llama_cpp
 import numpy as np
@@ -135,6 +135,8 @@ class HybridCheckpointCache(BaseLlamaCache):
         ValueError: ``ctx`` is None or null, or ``max_bytes`` is not positive.
         TypeError: ``ctx`` is not a pointer, or ``max_checkpoints``/``max_bytes`` is not an int.
     """
+
+    usable_as_tier: ClassVar[bool] = False  # not a token-to-state mapping (see above)
 
     def __init__(
         self,
