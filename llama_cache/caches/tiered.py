@@ -454,15 +454,23 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     # -------------------------------------------------------------------------------- fork hooks
 
-    def _drain(self) -> None:
+    @property
+    def fork_lock(self) -> lifecycle.Lock:
+        """The lock guarding this cache's counters and noted hits, held across a fork (see
+        :class:`~llama_cache.caches.lifecycle.HeldAcrossFork`)."""
+        return self._lock
+
+    def drain(self) -> None:
+        """Wait until every state queued before this call reached its tiers (or was dropped); unlike
+        :meth:`flush`, flush nothing else. Before a fork the tiers then drain themselves. Thread-safe."""
         self._pending.wait()
 
-    def _reset_after_fork(self) -> None:
+    def reset_after_fork(self) -> None:
         """In a forked child: no writer, an empty queue (the parent drained it), fresh locks."""
+        super().reset_after_fork()
         self._lock = threading.RLock()
         self._touches, self._touch_queued = {}, False
         self._pending.reset_after_fork()
-        self._fork_locked = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}([{', '.join(map(repr, self.tiers))}], max_pending={self.max_pending})"
