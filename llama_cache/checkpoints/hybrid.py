@@ -109,8 +109,8 @@ class HybridCheckpointCache(BaseLlamaCache):
     ``max_bytes``, by host-visible bytes. Saving under a key that already has a checkpoint replaces it.
 
     Invalidation: an evicted, cleared, replaced or invalidated checkpoint object is never restored again,
-    even if the caller kept a reference (restore checks the object's identity against the cache's own entries); a
-    restored one stays registered and can be restored again.
+    even if the caller kept a reference (restore checks the object's identity against the cache's own
+    entries); a restored one stays registered and can be restored again.
     A successful restore drops the checkpoints of that sequence, in every cache of the context, whose
     prefix is not a prefix of the restored one (those beyond it, and any on another branch); a failed one
     drops all of that sequence's. See also :meth:`drop_checkpoints` and the ``notify_*`` functions of
