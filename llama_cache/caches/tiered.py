@@ -2,7 +2,8 @@
 
 ``TieredCache([LlamaRAMCache(...), LlamaDiskCache(...), ...])`` is itself a
 :class:`~llama_cache.caches.base.BaseLlamaCache`, so ``llama_cache.Llama(cache=...)`` and a plain
-``llama_cpp.Llama.set_cache(...)`` use it like any cache. Any of this package's caches can be a tier.
+``llama_cpp.Llama.set_cache(...)`` use it like any cache. Any of this package's prompt caches can be a
+tier (a cache whose :attr:`~llama_cache.caches.base.BaseLlamaCache.usable_as_tier` is True).
 
 **Which tier answers.** A faster tier may hold a shorter prefix than a slower one (RAM the system
 prompt, disk the whole conversation). A lookup asks the tiers, fastest first, how many leading tokens
