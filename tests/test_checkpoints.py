@@ -22,8 +22,8 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from llama_cache import checkpoints as checkpoints_module
 from llama_cache.caches.base import CacheStats
+from llama_cache.checkpoints import registry
 from llama_cache.checkpoints import (
     HybridCheckpoint,
     HybridCheckpointCache,
@@ -181,7 +181,7 @@ def raw(lfm2: llama_cpp.Llama) -> Iterator[RawContext]:
         yield context
     finally:
         # Closing a context first closes the caches registered on it (its address may be reused).
-        for cache in checkpoints_module._caches_on(context.ctx):
+        for cache in registry._caches_on(context.ctx):
             cache.close()
         context.close()
 
@@ -546,6 +546,21 @@ def test_notify_seq_changed_and_kept(raw: RawContext, prompt: list[int], other: 
     assert cache.restore_checkpoint(seq0_again) is False
 
 
+def test_drop_checkpoints_touches_only_this_cache(raw: RawContext, prompt: list[int], other: list[int]) -> None:
+    cache = HybridCheckpointCache(raw.ctx)
+    neighbour = HybridCheckpointCache(raw.ctx)
+    at8, at16 = save_along(cache, raw, prompt, (8, 16))
+    (seq1,) = save_along(cache, raw, other, (8,), seq_id=1)
+    (theirs,) = save_along(neighbour, raw, prompt, (24,))
+    cache.drop_checkpoints(0, lambda checkpoint: checkpoint.pos > 8)
+    assert cache.checkpoints == [at8, seq1] and cache.cache_size == at8.size + seq1.size
+    assert cache.restore_checkpoint(at16) is False
+    cache.drop_checkpoints(-1, lambda checkpoint: checkpoint.seq_id == 1)
+    assert cache.checkpoints == [at8]
+    assert neighbour.checkpoints == [theirs]
+    assert cache.stats().evictions == 0
+
+
 def test_restore_drops_later_and_divergent_checkpoints_in_every_cache(
     raw: RawContext, prompt: list[int], other: list[int]
 ) -> None:
@@ -627,13 +642,13 @@ def test_close(raw: RawContext, prompt: list[int]) -> None:
     cache = HybridCheckpointCache(raw.ctx)
     (cp,) = save_along(cache, raw, prompt, (8,))
     address = raw.ctx
-    assert cache in checkpoints_module._registry[address].caches
+    assert cache in registry._registry[address].caches
     cache.close()
     assert cache.closed and len(cache) == 0 and cache.cache_size == 0
     assert cache.restore_checkpoint(cp) is False
     assert cache.find_best_checkpoint(prompt) is None
     assert cache.save_checkpoint(8, prompt) is False
-    assert address not in checkpoints_module._registry
+    assert address not in registry._registry
     cache.close()  # idempotent
     notify_memory_cleared(raw.ctx)  # reaches no cache, raises nothing
 
@@ -644,7 +659,7 @@ def test_registry_holds_caches_weakly(raw: RawContext) -> None:
     del cache
     gc.collect()
     assert ref() is None
-    assert raw.ctx not in checkpoints_module._registry
+    assert raw.ctx not in registry._registry
 
 
 # ------------------------------------------------------------------------------------------------ misc

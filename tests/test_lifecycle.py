@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,13 @@ class _Recorded:
     def flush(self) -> None:
         self.log.append(f"flush {self.name}")
 
-    def _before_fork(self) -> None:
+    def before_fork(self) -> None:
         self.log.append(f"before {self.name}")
 
-    def _after_fork_in_parent(self) -> None:
+    def after_fork_in_parent(self) -> None:
         self.log.append(f"parent {self.name}")
 
-    def _reset_after_fork(self) -> None:
+    def reset_after_fork(self) -> None:
         self.log.append(f"child {self.name}")
 
 
@@ -78,6 +79,58 @@ def test_registration_keeps_nothing_alive_and_a_failing_flush_does_not_stop_the_
     assert log == ["flush survivor"]
 
 
+class _Held(lifecycle.HeldAcrossFork):
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.drained = 0
+        self.fail = False
+
+    @property
+    def fork_lock(self) -> lifecycle.Lock:
+        return self.lock
+
+    def drain(self) -> None:
+        if self.fail:
+            raise OSError("disk full")
+        self.drained += 1
+
+
+def _held_elsewhere(lock: threading.RLock) -> bool:
+    """Whether another thread holds ``lock`` (it cannot take it without waiting)."""
+    taken: list[bool] = []
+
+    def attempt() -> None:
+        taken.append(lock.acquire(blocking=False))
+        if taken[0]:
+            lock.release()
+
+    thread = threading.Thread(target=attempt)
+    thread.start()
+    thread.join()
+    return not taken[0]
+
+
+def test_held_across_fork_drains_holds_and_lets_go_only_what_it_took() -> None:
+    cache = _Held()
+    cache.before_fork()
+    assert cache.drained == 1 and _held_elsewhere(cache.lock)
+    cache.after_fork_in_parent()
+    assert not _held_elsewhere(cache.lock)
+
+    cache.fail = True
+    with pytest.raises(OSError):
+        cache.before_fork()  # drained nothing, took nothing...
+    cache.after_fork_in_parent()  # ...so nothing is released (an unheld RLock would raise)
+    assert not _held_elsewhere(cache.lock)
+
+    cache.fail = False
+    cache.before_fork()
+    cache.lock = threading.RLock()  # what a child's reset does: a fresh lock, the inherited hold void
+    cache.reset_after_fork()
+    cache.after_fork_in_parent()  # nothing held any more: nothing released
+    assert not _held_elsewhere(cache.lock)
+
+
 _FORKING = """
 import os
 from llama_cache.caches import lifecycle
@@ -86,9 +139,9 @@ log = []
 
 class Recorded:
     def flush(self): print("flushed at exit")
-    def _before_fork(self): log.append("before")
-    def _after_fork_in_parent(self): log.append("parent")
-    def _reset_after_fork(self): log.append("child")
+    def before_fork(self): log.append("before")
+    def after_fork_in_parent(self): log.append("parent")
+    def reset_after_fork(self): log.append("child")
 
 cache = Recorded()
 lifecycle.register(cache, stage=lifecycle.BACK)

@@ -385,8 +385,15 @@ def test_bad_tiers_and_arguments_are_refused() -> None:
         TieredCache(ram)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         TieredCache([ram, {}])  # type: ignore[list-item]
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="prompt cache, got HybridCheckpointCache"):
         TieredCache([ram, HybridCheckpointCache.__new__(HybridCheckpointCache)])
+
+    class _NotATier(LlamaRAMCache):
+        usable_as_tier = False
+
+    assert ram.usable_as_tier and not HybridCheckpointCache.usable_as_tier
+    with pytest.raises(TypeError, match="prompt cache, got _NotATier"):
+        TieredCache([ram, _NotATier(10**6)])
     with pytest.raises(ValueError):
         TieredCache([ram], max_pending=0)
     with pytest.raises(TypeError):

@@ -12,7 +12,7 @@ import threading
 from abc import abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import llama_cpp.llama_cache as _upstream
 
@@ -99,6 +99,11 @@ class BaseLlamaCache(_upstream.BaseLlamaCache):
     Args:
         capacity_bytes: the byte budget (default 2 GiB).
     """
+
+    usable_as_tier: ClassVar[bool] = True
+    """Whether a :class:`~llama_cache.caches.tiered.TieredCache` may stack this cache as one of its tiers:
+    True for prompt caches, which keep the contract above. A subclass that does not (its mapping
+    interface raises, as :class:`~llama_cache.checkpoints.HybridCheckpointCache`'s) sets it False."""
 
     def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         super().__init__(check_capacity(capacity_bytes))

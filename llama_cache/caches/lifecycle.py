@@ -8,8 +8,9 @@ belong to the parent). Caches register with a *stage*, their place in the write 
 drains first into the back, which then drains itself; after a fork, the back is released first and the
 front last (locks are released in the reverse order of their taking).
 
-A registered cache implements ``flush()``, ``_before_fork()``, ``_after_fork_in_parent()`` and
-``_reset_after_fork()``; the registry holds it weakly, so registering keeps nothing alive.
+A registered cache implements :class:`ProcessBound`: ``flush()``, ``before_fork()``,
+``after_fork_in_parent()`` and ``reset_after_fork()`` (:class:`HeldAcrossFork` gives the parent's side to
+a cache with one lock); the registry holds it weakly, so registering keeps nothing alive.
 
 Thread-safety: :func:`register` and every :class:`Registry` method may be called from any thread.
 """
@@ -21,9 +22,9 @@ import logging
 import os
 import threading
 import weakref
-from typing import Any, Protocol
+from typing import Protocol
 
-__all__ = ["BACK", "FRONT", "PROCESS", "HeldAcrossFork", "ProcessBound", "Registry", "register"]
+__all__ = ["BACK", "FRONT", "PROCESS", "HeldAcrossFork", "Lock", "ProcessBound", "Registry", "register"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,40 +35,73 @@ BACK = 1
 
 
 class ProcessBound(Protocol):
-    """What the hooks call on a registered cache."""
+    """What the hooks call on a registered cache, each from the thread that exits or forks.
 
-    def flush(self) -> None: ...
+    Around a fork, ``before_fork`` runs in the parent, then either ``after_fork_in_parent`` in the parent
+    or ``reset_after_fork`` in the child (never both in one process). Should ``before_fork`` raise,
+    ``after_fork_in_parent`` still runs and must cope with a cache that was not held.
+    """
 
-    def _before_fork(self) -> None: ...
+    def flush(self) -> None:
+        """At interpreter exit: write everything queued so far."""
 
-    def _after_fork_in_parent(self) -> None: ...
+    def before_fork(self) -> None:
+        """In the parent, just before ``fork``: finish the queued writes and hold the cache's locks, so
+        that the child starts from a state no other thread was changing."""
 
-    def _reset_after_fork(self) -> None: ...
+    def after_fork_in_parent(self) -> None:
+        """In the parent, after ``fork``: let go of what :meth:`before_fork` held."""
+
+    def reset_after_fork(self) -> None:
+        """In the child, before any other use: drop what belongs to the parent's process (fresh locks,
+        an empty queue, no writer thread)."""
+
+
+class Lock(Protocol):
+    """A lock :class:`HeldAcrossFork` can hold: ``threading.RLock`` or the disk tier's directory lock."""
+
+    def acquire(self) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 class HeldAcrossFork:
-    """The parent's side of the fork hooks for a cache with a background writer and one lock ``_lock``.
+    """The parent's side of :class:`ProcessBound` for a cache with a background writer and one lock.
 
-    Before ``fork``: :meth:`_drain` (the subclass's: wait for its queued writes), then hold ``_lock``, so
-    that the child starts from a state no other thread was changing; after it, the parent lets go. The
-    child's side, ``_reset_after_fork``, is each cache's own (fresh locks, no writer).
+    :meth:`before_fork` calls :meth:`drain`, then holds :attr:`fork_lock`; :meth:`after_fork_in_parent`
+    lets it go (only if it was taken). A subclass provides :meth:`drain` and :attr:`fork_lock`, and
+    extends :meth:`reset_after_fork`, calling this one, with its own fresh start in the child.
+
+    Thread-safety: the hooks run in the thread that forks, while the cache's other threads may be using
+    it; :attr:`fork_lock` is what keeps them out.
     """
 
-    _lock: Any
     _fork_locked = False
 
-    def _drain(self) -> None:
+    @property
+    def fork_lock(self) -> Lock:
+        """The lock every operation of the cache takes (the subclass's): held across a fork."""
         raise NotImplementedError
 
-    def _before_fork(self) -> None:
-        self._drain()
-        self._lock.acquire()
+    def drain(self) -> None:
+        """Wait until the writes this cache queued itself are done (the subclass's). Thread-safe."""
+        raise NotImplementedError
+
+    def before_fork(self) -> None:
+        """Drain, then hold :attr:`fork_lock` until :meth:`after_fork_in_parent`."""
+        self.drain()
+        self.fork_lock.acquire()
         self._fork_locked = True
 
-    def _after_fork_in_parent(self) -> None:
+    def after_fork_in_parent(self) -> None:
+        """Release :attr:`fork_lock` if :meth:`before_fork` took it."""
         if self._fork_locked:
             self._fork_locked = False
-            self._lock.release()
+            self.fork_lock.release()
+
+    def reset_after_fork(self) -> None:
+        """In the child: the inherited hold is void (the subclass replaces or resets the lock itself)."""
+        self._fork_locked = False
 
 
 class Registry:
@@ -113,18 +147,18 @@ class Registry:
     def before_fork(self) -> None:
         """Drain and hold every cache, front first."""
         for cache in self._in_order():
-            cache._before_fork()
+            cache.before_fork()
 
     def after_fork_in_parent(self) -> None:
         """Let every cache go, back first."""
         for cache in self._in_order(reverse=True):
-            cache._after_fork_in_parent()
+            cache.after_fork_in_parent()
 
     def after_fork_in_child(self) -> None:
         """Give every cache a fresh start, back first."""
         self._lock = threading.Lock()  # another thread may have held it when the process forked
         for cache in self._in_order(reverse=True):
-            cache._reset_after_fork()
+            cache.reset_after_fork()
 
 
 PROCESS = Registry()

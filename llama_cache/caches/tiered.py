@@ -2,7 +2,8 @@
 
 ``TieredCache([LlamaRAMCache(...), LlamaDiskCache(...), ...])`` is itself a
 :class:`~llama_cache.caches.base.BaseLlamaCache`, so ``llama_cache.Llama(cache=...)`` and a plain
-``llama_cpp.Llama.set_cache(...)`` use it like any cache. Any of this package's caches can be a tier.
+``llama_cpp.Llama.set_cache(...)`` use it like any cache. Any of this package's prompt caches can be a
+tier (a cache whose :attr:`~llama_cache.caches.base.BaseLlamaCache.usable_as_tier` is True).
 
 **Which tier answers.** A faster tier may hold a shorter prefix than a slower one (RAM the system
 prompt, disk the whole conversation). A lookup asks the tiers, fastest first, how many leading tokens
@@ -62,7 +63,6 @@ import numpy as np
 from llama_cache.caches import lifecycle
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
 from llama_cache.caches.write_behind import WriteBehindQueue
-from llama_cache.checkpoints import HybridCheckpointCache
 from llama_cache.state.values import state_tokens
 from llama_cache.tokens import CheckedTokens, TokenArray, as_token_array, checked_tokens, readonly
 
@@ -105,7 +105,8 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     Args:
         tiers: the caches, fastest first: distinct :class:`~llama_cache.caches.base.BaseLlamaCache`
-            instances (prompt caches, not checkpoint caches).
+            instances whose :attr:`~llama_cache.caches.base.BaseLlamaCache.usable_as_tier` is True
+            (prompt caches, not checkpoint caches).
         max_pending: states queued for the slower tiers before the oldest is dropped (default 64).
         write_through: whoever looks a stored key up next, in this process or another sharing a
             tier, finds it (how ``llama-cache serve`` stores in a Redis tier shared by several
@@ -124,7 +125,7 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         if not isinstance(tiers, Sequence) or isinstance(tiers, (str, bytes)):
             raise TypeError(f"tiers must be a sequence of caches, got {type(tiers).__name__}")
         for tier in tiers:
-            if not isinstance(tier, BaseLlamaCache) or isinstance(tier, HybridCheckpointCache):
+            if not isinstance(tier, BaseLlamaCache) or not tier.usable_as_tier:
                 raise TypeError(f"a tier must be a llama_cache prompt cache, got {type(tier).__name__}")
         if not tiers:
             raise ValueError("a tiered cache needs at least one tier")
@@ -454,15 +455,23 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     # -------------------------------------------------------------------------------- fork hooks
 
-    def _drain(self) -> None:
+    @property
+    def fork_lock(self) -> lifecycle.Lock:
+        """The lock guarding this cache's counters and noted hits, held across a fork (see
+        :class:`~llama_cache.caches.lifecycle.HeldAcrossFork`)."""
+        return self._lock
+
+    def drain(self) -> None:
+        """Wait until every state queued before this call reached its tiers (or was dropped); unlike
+        :meth:`flush`, flush nothing else. Before a fork the tiers then drain themselves. Thread-safe."""
         self._pending.wait()
 
-    def _reset_after_fork(self) -> None:
+    def reset_after_fork(self) -> None:
         """In a forked child: no writer, an empty queue (the parent drained it), fresh locks."""
+        super().reset_after_fork()
         self._lock = threading.RLock()
         self._touches, self._touch_queued = {}, False
         self._pending.reset_after_fork()
-        self._fork_locked = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}([{', '.join(map(repr, self.tiers))}], max_pending={self.max_pending})"

@@ -643,14 +643,22 @@ class LlamaDiskCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
 
     # ---------------------------------------------------------------------------------- fork hooks
 
-    def _drain(self) -> None:
+    @property
+    def fork_lock(self) -> lifecycle.Lock:
+        """The store's lock, which every operation takes, held across a fork (see
+        :class:`~llama_cache.caches.lifecycle.HeldAcrossFork`)."""
+        return self._lock
+
+    def drain(self) -> None:
+        """Wait until every state queued before this call is written and committed (as :meth:`flush`).
+        Thread-safe."""
         self._wait_for_writes()
 
-    def _reset_after_fork(self) -> None:
+    def reset_after_fork(self) -> None:
         """In a forked child: drop everything tied to the parent's process (never touch its SQLite)."""
+        super().reset_after_fork()
         self._store.reset_after_fork()
         self._pending.reset_after_fork()
-        self._fork_locked = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.cache_dir)!r}, capacity_bytes={self.capacity_bytes})"

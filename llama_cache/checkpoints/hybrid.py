@@ -8,16 +8,11 @@ a checkpoint holds only the recurrent part (a few KiB, independent of the length
 of a hybrid model stays in the live context. Restoring therefore also needs the attention memory to still
 hold the checkpoint's prefix, and cuts it back to the checkpoint's end.
 
-Because a checkpoint relies on the live context, it is valid only while the context's memory still holds
-its history. Every change to that memory made through this module keeps the registered checkpoints
-consistent; changes made elsewhere must be reported with :func:`notify_memory_cleared`,
-:func:`notify_seq_removed`, :func:`notify_seq_changed` or :func:`notify_seq_kept`. Each cache registers itself,
-weakly, under the address of its context on construction, so a notification reaches every live cache of
-that context.
+A checkpoint is thus valid only while the context's memory still holds its history: the caches of one
+context register with :mod:`llama_cache.checkpoints.registry`, whose ``notify_*`` functions report the
+changes made elsewhere, and share its per-context lock.
 
-Thread-safety: all caches of one context share one re-entrant lock (a llama.cpp context must not be used
-from two threads at once anyway), so every public method and notification is serialised per context and
-cross-cache invalidation can never deadlock.
+Thread-safety: every public method takes the re-entrant lock shared by all caches of the same context.
 """
 
 from __future__ import annotations
@@ -28,35 +23,23 @@ import ctypes
 import hashlib
 import logging
 import sys
-import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
 from llama_cache.caches.base import BaseLlamaCache, CacheStats
+from llama_cache.checkpoints import registry
+from llama_cache.checkpoints.registry import ContextPointer
 from llama_cache.index import RadixIndex
 from llama_cache.tokens import Tokens, as_token_array
 
-__all__ = [
-    "ContextPointer",
-    "HybridCheckpoint",
-    "HybridCheckpointCache",
-    "notify_memory_cleared",
-    "notify_seq_changed",
-    "notify_seq_kept",
-    "notify_seq_removed",
-]
+__all__ = ["HybridCheckpoint", "HybridCheckpointCache"]
 
-logger = logging.getLogger(__name__)
-
-ContextPointer = int | ctypes.c_void_p
-"""A raw ``llama_context *``: what llama-cpp-python returns (an int, e.g. ``Llama._ctx.ctx``) or a
-``ctypes.c_void_p``."""
+logger = logging.getLogger("llama_cache.checkpoints")  # one logger for the checkpoints package
 
 PARTIAL_ONLY: int = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 ON_DEVICE: int = llama_cpp.LLAMA_STATE_SEQ_FLAGS_ON_DEVICE
@@ -102,161 +85,6 @@ class _Entry:
     key: _TokenArray
 
 
-class _ContextRecord:
-    """What the module knows about one context address: its lock and its live caches (weakly)."""
-
-    __slots__ = ("caches", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.caches: weakref.WeakSet[HybridCheckpointCache] = weakref.WeakSet()
-
-
-# Re-entrant: a cache's __del__ may run (through the garbage collector) while this thread holds the lock.
-_registry_lock = threading.RLock()
-_registry: dict[int, _ContextRecord] = {}
-
-
-def _context_address(ctx: object) -> int:
-    """The address of a context pointer given as an int, a ``ctypes.c_void_p`` or a typed ctypes pointer.
-
-    Raises:
-        ValueError: ``ctx`` is None or a null pointer.
-        TypeError: ``ctx`` is not a pointer.
-    """
-    if ctx is None:
-        raise ValueError("ctx must be a llama.cpp context pointer, not None")
-    if isinstance(ctx, bool):
-        raise TypeError("ctx must be a llama.cpp context pointer, not a bool")
-    if isinstance(ctx, int):
-        address = ctx
-    elif isinstance(ctx, ctypes.c_void_p):
-        address = ctx.value or 0
-    elif isinstance(ctx, ctypes._Pointer):
-        address = ctypes.cast(ctx, ctypes.c_void_p).value or 0
-    else:
-        raise TypeError(f"ctx must be a llama.cpp context pointer, not {type(ctx).__name__}")
-    if address == 0:
-        raise ValueError("ctx is a null pointer")
-    return address
-
-
-def _register(address: int, cache: HybridCheckpointCache) -> threading.RLock:
-    """Add ``cache`` to the caches of ``address`` and return that context's shared lock."""
-    with _registry_lock:
-        record = _registry.get(address)
-        if record is None:
-            record = _registry[address] = _ContextRecord()
-        record.caches.add(cache)
-        return record.lock
-
-
-def _unregister(address: int, cache: HybridCheckpointCache) -> None:
-    """Remove ``cache`` from the caches of ``address``, forgetting the address once none is left."""
-    with _registry_lock:
-        record = _registry.get(address)
-        if record is not None:
-            record.caches.discard(cache)
-            if not record.caches:
-                del _registry[address]
-
-
-def _caches_on(address: int) -> list[HybridCheckpointCache]:
-    """A snapshot of the live caches registered for ``address``."""
-    with _registry_lock:
-        record = _registry.get(address)
-        if record is None:
-            return []
-        caches = list(record.caches)
-        if not caches:
-            del _registry[address]  # every cache died without close(): forget the address
-        return caches
-
-
-def _for_each_cache(address: int, action: Callable[[HybridCheckpointCache], None]) -> None:
-    """Apply ``action`` to every cache of ``address``, under the context's shared lock.
-
-    Lock order, everywhere: the context's lock, then the registry's.
-    """
-    with _registry_lock:
-        record = _registry.get(address)
-    if record is None:
-        return
-    with record.lock:
-        for cache in _caches_on(address):  # snapshot taken under the context lock: no cache slips in between
-            action(cache)
-
-
-def notify_memory_cleared(ctx: ContextPointer) -> None:
-    """Report that the memory of ``ctx`` was cleared (``llama_memory_clear``) or fully replaced.
-
-    Drops every checkpoint of every cache registered for ``ctx``: they all relied on the lost memory.
-    Also use it after loading a whole-context state (``llama_state_set_data``, ``llama_state_load_file``).
-
-    Complexity: O(N) for N registered checkpoints. Thread-safe.
-
-    Raises:
-        ValueError: ``ctx`` is None or null.
-    """
-    _for_each_cache(_context_address(ctx), lambda cache: cache._invalidate(-1, lambda entry: True))
-
-
-def notify_seq_removed(ctx: ContextPointer, seq_id: int, p0: int, p1: int) -> None:
-    """Report that positions ``[p0, p1)`` of sequence ``seq_id`` were removed (``llama_memory_seq_rm``).
-
-    Arguments follow llama.cpp: ``seq_id < 0`` means every sequence, ``p0 < 0`` means 0 and ``p1 < 0`` means
-    infinity. A checkpoint survives only when its recorded native range lies strictly before the removed
-    range (``pos_max < p0``): one ending inside or after it now misses part of its history. An empty range
-    removes nothing and drops nothing. Call it after the removal whatever it returned (a failed partial
-    removal leaves the memory alone, and dropping is the safe answer anyway).
-
-    Complexity: O(N) for N registered checkpoints. Thread-safe.
-
-    Raises:
-        ValueError: ``ctx`` is None or null.
-    """
-    start = max(p0, 0)
-    if 0 <= p1 <= start:
-        return
-
-    def removed(entry: _Entry) -> bool:
-        pos_max = entry.checkpoint.pos_max
-        return pos_max is None or pos_max >= start
-
-    _for_each_cache(_context_address(ctx), lambda cache: cache._invalidate(seq_id, removed))
-
-
-def notify_seq_changed(ctx: ContextPointer, seq_id: int) -> None:
-    """Report that sequence ``seq_id`` of ``ctx`` changed in place (``seq_id < 0``: every sequence).
-
-    For copies into it (``llama_memory_seq_cp``, pass the destination), position shifts
-    (``llama_memory_seq_add`` / ``seq_div``) and sequence-state loads (``llama_state_seq_set_data``,
-    ``llama_state_seq_load_file``, pass the destination). Drops that sequence's checkpoints in every cache
-    registered for ``ctx``.
-
-    Complexity: O(N) for N registered checkpoints. Thread-safe.
-
-    Raises:
-        ValueError: ``ctx`` is None or null.
-    """
-    _for_each_cache(_context_address(ctx), lambda cache: cache._invalidate(seq_id, lambda entry: True))
-
-
-def notify_seq_kept(ctx: ContextPointer, seq_id: int) -> None:
-    """Report that every sequence of ``ctx`` but ``seq_id`` was removed (``llama_memory_seq_keep``).
-
-    Drops the checkpoints of all other sequences in every cache registered for ``ctx``.
-
-    Complexity: O(N) for N registered checkpoints. Thread-safe.
-
-    Raises:
-        ValueError: ``ctx`` is None or null.
-    """
-    _for_each_cache(
-        _context_address(ctx), lambda cache: cache._invalidate(-1, lambda entry: entry.checkpoint.seq_id != seq_id)
-    )
-
-
 class HybridCheckpointCache(BaseLlamaCache):
     """Saves and restores the recurrent state of sequences of a hybrid or recurrent model.
 
@@ -281,11 +109,12 @@ class HybridCheckpointCache(BaseLlamaCache):
     ``max_bytes``, by host-visible bytes. Saving under a key that already has a checkpoint replaces it.
 
     Invalidation: an evicted, cleared, replaced or invalidated checkpoint object is never restored again,
-    even if the caller kept a reference (restore checks the object's identity against the registry); a
-    restored one stays registered and can be restored again.
+    even if the caller kept a reference (restore checks the object's identity against the cache's own
+    entries); a restored one stays registered and can be restored again.
     A successful restore drops the checkpoints of that sequence, in every cache of the context, whose
     prefix is not a prefix of the restored one (those beyond it, and any on another branch); a failed one
-    drops all of that sequence's. See also the module's ``notify_*`` functions.
+    drops all of that sequence's. See also :meth:`drop_checkpoints` and the ``notify_*`` functions of
+    :mod:`llama_cache.checkpoints.registry`.
 
     Not a token-to-state mapping: ``cache[key]``, ``cache[key] = state`` and ``key in cache`` raise
     NotImplementedError.
@@ -298,7 +127,7 @@ class HybridCheckpointCache(BaseLlamaCache):
         max_checkpoints: Most checkpoints kept; 0 or less disables the cache (saving then returns False
             without touching llama.cpp, which spares the state extraction in single-turn use).
         on_device: Use device mode (see above).
-        verbose: Log diagnostics to this module's logger at DEBUG level (never printed).
+        verbose: Log diagnostics to the ``llama_cache.checkpoints`` logger at DEBUG level (never printed).
         max_bytes: Host-visible byte budget (``cache_size``), or None for none. A checkpoint larger than the
             whole budget is not saved.
 
@@ -306,6 +135,8 @@ class HybridCheckpointCache(BaseLlamaCache):
         ValueError: ``ctx`` is None or null, or ``max_bytes`` is not positive.
         TypeError: ``ctx`` is not a pointer, or ``max_checkpoints``/``max_bytes`` is not an int.
     """
+
+    usable_as_tier: ClassVar[bool] = False  # not a token-to-state mapping (see above)
 
     def __init__(
         self,
@@ -315,7 +146,7 @@ class HybridCheckpointCache(BaseLlamaCache):
         verbose: bool = False,
         max_bytes: int | None = None,
     ) -> None:
-        address = _context_address(ctx)
+        address = registry.context_address(ctx)
         if not isinstance(max_checkpoints, int) or isinstance(max_checkpoints, bool):
             raise TypeError(f"max_checkpoints must be an int, got {type(max_checkpoints).__name__}")
         if max_bytes is not None:
@@ -344,7 +175,7 @@ class HybridCheckpointCache(BaseLlamaCache):
         self._indexes: dict[int, RadixIndex[_Entry]] = {}
         self._current_size = 0
         self._hits = self._misses = self._evictions = self._rejected = 0
-        self._lock = _register(address, self)
+        self._lock = registry.register(address, self)
         if max_checkpoints <= 0:
             self._debug("HybridCheckpointCache: max_checkpoints=%d, rollback disabled", max_checkpoints)
 
@@ -456,7 +287,7 @@ class HybridCheckpointCache(BaseLlamaCache):
                 return False
             if self.on_device:
                 # Before extracting: the extraction itself overwrites the slot their tensors live in.
-                _for_each_cache(self._address, lambda cache: cache._invalidate_device_seq(seq_id))
+                registry.for_each_cache(self._address, lambda cache: cache._invalidate_device_seq(seq_id))
             buffer = (ctypes.c_uint8 * size)()
             written = int(self._get_data_ext(ctx, buffer, size, seq_id, self._flags))
             if written != size:
@@ -582,6 +413,17 @@ class HybridCheckpointCache(BaseLlamaCache):
             self._debug("HybridCheckpointCache(restore): seq %d back at pos %d (native %d)", seq_id, cp.pos, cp.pos_max)
             return True
 
+    def drop_checkpoints(self, seq_id: int, predicate: Callable[[HybridCheckpoint], bool]) -> None:
+        """Drop the checkpoints of sequence ``seq_id`` (every sequence if negative) for which ``predicate``
+        is true: what the registry's ``notify_*`` functions do to every cache of the context.
+
+        A dropped checkpoint is never restored again, as an evicted one, but is not counted as an
+        eviction. ``predicate`` must not change this cache.
+
+        Complexity: O(N) calls of ``predicate`` for N registered checkpoints. Thread-safe.
+        """
+        self._invalidate(seq_id, lambda entry: predicate(entry.checkpoint))
+
     def clear(self) -> None:
         """Drop every checkpoint (counters other than entries and bytes are kept). O(1) amortised.
 
@@ -603,7 +445,7 @@ class HybridCheckpointCache(BaseLlamaCache):
         with self._lock:
             self.clear()
             if self._ctx is not None:
-                _unregister(self._address, self)
+                registry.unregister(self._address, self)
             self._ctx = None
             self._get_size_ext = self._get_data_ext = self._set_data_ext = None
             self._get_memory = self._seq_pos_min = self._seq_pos_max = self._seq_rm = None
@@ -678,4 +520,4 @@ class HybridCheckpointCache(BaseLlamaCache):
 
     def _invalidate_everywhere(self, seq_id: int, predicate: Callable[[_Entry], bool]) -> None:
         """:meth:`_invalidate` in every registered cache of this context, this one included."""
-        _for_each_cache(self._address, lambda cache: cache._invalidate(seq_id, predicate))
+        registry.for_each_cache(self._address, lambda cache: cache._invalidate(seq_id, predicate))
