@@ -781,3 +781,81 @@ def responses_agent(results: Results) -> str:
             f"started afresh per run; medians over {run['rounds']} rounds, order rotated. Sides: "
             + "; ".join(f"`{side}`: {label}" for side, label in run["sides"].items()) + ".")
     return "\n\n".join([head, table(["step", *(f"`{side}`" for side in sides)], rows), conditions(run)])
+
+
+# Serving: the engine against llama-server and the batched example server (benchmarks/serve_engine.py) -
+
+ENGINE_SERVERS = {"llama-cache": "llama-cache", "llama-server": "llama-server", "example-server": "example server"}
+ENGINE_TARGETS = {
+    "throughput_vs_llama_server": "generated tokens/s, ours / llama-server's (8 clients x 2 turns x 256 tokens)",
+    "throughput_vs_example_server": "generated tokens/s, ours / the example server's",
+    "first_ttft_vs_example_server": "first turn's time to first token p50, ours / the example server's",
+    "burst_evaluated_per_system_token": "8 requests sent together on one system prompt: prompt tokens evaluated "
+                                        "per system-prompt token",
+    "burst_cells_per_unique_token": "after them, KV cells in use per unique token held",
+    "burst_peak_rss_vs_llama_server": "peak RSS in that run, ours / llama-server's (same pool, same --cache-ram)",
+    "step_vs_batched_bench": "the engine's step with 8 sequences decoding / llama-batched-bench's",
+}
+
+
+@renders("serve-engine")
+def serve_engine(results: Results) -> str:
+    run = results["serve_engine"]
+    summary, settings = run["summary"], run["settings"]
+    names = [n for n in ENGINE_SERVERS if n in summary.get("decode", {})]
+    decode = summary.get("decode", {})
+    burst = summary.get("burst", {})
+
+    def cell(scenario: dict[str, Any], name: str, key: str, unit: Any = num, suffix: str = "") -> str:
+        return spread(scenario.get(name, {}).get(key), unit, suffix)
+
+    rows = [
+        ["generated tokens/s", *(cell(decode, n, "tokens_per_s") for n in names)],
+        ["first turn, time to first token p50", *(cell(decode, n, "ttft_first_p50", num, " s") for n in names)],
+        ["later turns, time to first token p50", *(cell(decode, n, "ttft_later_p50", num, " s") for n in names)],
+        ["later turns, time to first token p95", *(cell(decode, n, "ttft_later_p95", num, " s") for n in names)],
+        ["gap between tokens p50", *(cell(decode, n, "gap_p50", ms, " ms") for n in names)],
+        ["peak RSS", *(cell(decode, n, "peak_rss", lambda v: num(v / 1e6)) + " MB" for n in names)],
+    ]
+    burst_rows = [
+        ["time to first token p50", *(cell(burst, n, "ttft_p50", num, " s") for n in names)],
+        ["peak RSS", *(cell(burst, n, "peak_rss", lambda v: num(v / 1e6)) + " MB" for n in names)],
+    ]
+    parts = [
+        f"{settings['clients']} clients x {settings['turns']} turns x {settings['max_tokens']} tokens, streamed at "
+        f"temperature 0 on one ~{num(settings['system_tokens'])}-token system prompt; every server `--parallel "
+        f"{settings['parallel']}`, {num(settings['n_ctx_per_sequence'])} tokens of KV per sequence in one pool, "
+        f"{settings['threads']} threads, flash attention, batch {settings['n_batch']}; {settings['rounds']} rounds, "
+        "order rotated; median (min-max):",
+        table(["", *(ENGINE_SERVERS[n] for n in names)], rows),
+        f"{settings['clients']} requests sent together on one ~{num(settings['burst_tokens'])}-token system prompt, "
+        "32 tokens each:",
+        table(["", *(ENGINE_SERVERS[n] for n in names)], burst_rows),
+    ]
+    ours = summary.get("burst_llama_cache")
+    if ours:
+        parts.append(f"Ours evaluated {num(ours['evaluated_per_system_token'], 2)} prompt tokens per system-prompt token "
+                     f"({num(ours['system_tokens'])} tokens) and then held "
+                     f"{ratio(ours['cells_per_unique_token'], 3)} as many KV cells as unique tokens.")
+    step, bench = run.get("engine_step"), run.get("batched_bench")
+    if step:
+        line = (f"The engine's step with {step['sequences']} sequences decoding: {num(step['step_s'] * 1000, 1)} ms, of "
+                f"which {num(step['decode_s'] * 1000, 1)} ms in `llama_decode` and {num(step['python_s'] * 1000, 2)} ms "
+                f"of Python around it ({num(step['tokens_per_s'], 1)} tokens/s)")
+        eight = (bench or {}).get("steps", {}).get("8")
+        if eight:
+            one = bench["steps"].get("1", {})
+            line += (f"; `llama-batched-bench` on the same batch: {num(eight['step_s'] * 1000, 1)} ms a step "
+                     f"({num(eight['tokens_per_s'], 1)} tokens/s; one sequence: {num(one.get('tokens_per_s'), 1)})")
+        parts.append(line + ".")
+    deterministic = run.get("engine_step_deterministic")
+    if deterministic and step:
+        parts.append(f"Deterministic mode, the same {deterministic['sequences']} sequences: "
+                     f"{num(deterministic['tokens_per_s'], 1)} tokens/s, {ratio(deterministic['tokens_per_s'] / step['tokens_per_s'])} "
+                     f"the default mode's (a step {num(deterministic['step_s'] * 1000, 1)} ms: each sequence its own decode).")
+    verdicts = [f"- {ENGINE_TARGETS[name]}: {'-' if t['value'] is None else num(t['value'], 2)} (target "
+                f"{'>=' if name.startswith('throughput') else '<='} {t['target']}): {verdict(t['met'])}"
+                for name, t in run["targets"].items()]
+    parts.append("The script's verdicts (issue #26's targets):\n\n" + "\n".join(verdicts))
+    parts.append(conditions(run, f"llama-server {run['llama_server_version']}" if run.get("llama_server_version") else ""))
+    return "\n\n".join(parts)

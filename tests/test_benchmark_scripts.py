@@ -119,3 +119,34 @@ def test_lookup_runs_from_a_checkout_that_is_not_installed(tmp_path: Path) -> No
     assert report["machine"]["llama_cache"] is not None
     assert set(report["targets"]) == {"llama_cache.LlamaRAMCache", "llama_cache.LlamaTrieCache",
                                       "llama_cache.LlamaRAMCache, numpy query", "llama_cache.LlamaTrieCache, numpy query"}
+
+
+def test_the_engine_benchmark_gives_each_server_the_same_pool_and_judges_medians(tmp_path: Path) -> None:
+    from benchmarks import serve_engine
+
+    settings = servers.Settings(n_ctx=4096, parallel=8, threads=2, flash_attn=True)
+    model = Path("model.gguf")
+    ours = serve_engine.command_for("llama-cache", model, settings, 9000, None, None, tmp_path)
+    assert ours is not None and ours[ours.index("--n-ctx") + 1] == str(4096 * 8)
+    assert ours[ours.index("--cache-ram") + 1] == str(serve_engine.CACHE_RAM_MIB << 20)
+    example = serve_engine.command_for("example-server", model, settings, 9001, None, Path("server.py"), tmp_path)
+    assert example is not None and example[1:3] == ["server.py", "--config-file"]
+    config = json.loads(Path(example[3]).read_text())["model"]
+    assert (config["n_ctx"], config["n_seq_max"], config["threads"], config["kv_unified"]) == (4096 * 8, 8, 2, True)
+    assert serve_engine.command_for("llama-server", model, settings, 9002, None, None, tmp_path) is None
+
+    def run(tokens_per_s: float, first: float) -> dict[str, Any]:
+        return {"tokens_per_s": tokens_per_s, "ttft_first_p50": first, "ttft_later_p50": 1.0, "ttft_later_p95": 2.0,
+                "gap_p50": 0.1, "peak_rss": 1e9, "seconds": 100.0}
+
+    results: dict[str, Any] = {"runs": {"decode": {
+        "llama-cache": [run(30.0, 5.0), run(36.0, 6.0), run(10.0, 20.0)],  # one slow round: medians ignore it
+        "example-server": [run(25.0, 10.0), run(24.0, 9.0), run(26.0, 11.0)]}}}
+    results["summary"] = serve_engine.summarise(results, {})
+    results["engine_step"], results["batched_bench"] = {"step_s": 0.1}, {"steps": {"8": {"step_s": 0.09}}}
+    targets = serve_engine.targets(results)
+    assert targets["throughput_vs_example_server"]["value"] == 30.0 / 25.0
+    assert targets["throughput_vs_example_server"]["met"] is True
+    assert targets["first_ttft_vs_example_server"]["value"] == 6.0 / 10.0
+    assert targets["throughput_vs_llama_server"] == {"value": None, "target": 1.4, "met": None}
+    assert targets["step_vs_batched_bench"]["value"] == 0.1 / 0.09 and targets["step_vs_batched_bench"]["met"]
