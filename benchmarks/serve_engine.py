@@ -48,17 +48,16 @@ the start and the end, and each ratio is of runs made side by side.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
-import re
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,12 +70,14 @@ from benchmarks.machine import finish, machine, write  # noqa: E402
 from benchmarks.servers import (  # noqa: E402
     REPO,
     Settings,
+    cache_metrics,
     filler_text,
     find_llama_server,
     free_port,
     llama_server_version,
     percentile,
     rotation,
+    running_process,
     server_command,
 )
 from benchmarks.sse import read_stream  # noqa: E402
@@ -128,36 +129,6 @@ def command_for(name: str, model: Path, settings: Settings, port: int, llama_ser
     return command
 
 
-@contextmanager
-def running(command: list[str], port: int, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """The server's URL and process once ``/v1/models`` answers 200; SIGTERM (then SIGKILL) at the end."""
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"{command[0]} exited with {process.returncode}; see {log}")
-            try:
-                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{command[0]} did not start; see {log}")
-            time.sleep(0.2)
-        yield url, process
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def peak_rss(pid: int) -> int | None:
     """The process's peak resident set in bytes (``VmHWM``), or None if it cannot be read."""
     try:
@@ -169,29 +140,23 @@ def peak_rss(pid: int) -> int | None:
     return None
 
 
-def metrics(url: str) -> dict[str, float]:
-    """llama-cache's counters (empty for another server)."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=30).text
-    except httpx.TransportError:
-        return {}
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        match = re.match(r"^(llama_cache_[a-z_]+(?:_total)?) ([0-9.e+-]+)$", line)
-        if match:
-            values[match[1]] = float(match[2])
-    return values
+ENGINE_METRICS = ("llama_cache_prompt_tokens_total", "llama_cache_prompt_tokens_cached_total",
+                  "llama_cache_engine_shared_tokens_total", "llama_cache_kv_cells_in_use")
 
 
 # -- the workloads -----------------------------------------------------------------------------------
 
-def system_prompt(tokens: int, seed: int) -> str:
-    """A system prompt of about ``tokens`` tokens of the default model (filler prose)."""
-    import random
-
+@functools.cache
+def vocabulary() -> Any:
+    """The default model's vocabulary alone (``vocab_only``), loaded once."""
     import llama_cpp
 
-    vocab = llama_cpp.Llama(model_path=str(default_model_path()), vocab_only=True, verbose=False)
+    return llama_cpp.Llama(model_path=str(default_model_path()), vocab_only=True, verbose=False)
+
+
+def system_prompt(tokens: int, seed: int) -> str:
+    """A system prompt of about ``tokens`` tokens of the default model (filler prose)."""
+    vocab = vocabulary()
     rng = random.Random(seed)
     words = tokens * 3 // 4
     while True:
@@ -363,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
                      "burst_tokens": args.burst_tokens, "rounds": args.rounds, "cache_ram_mib": CACHE_RAM_MIB},
         "sides": {name: LABELS[name] for name in names}, "commands": {}, "runs": {}}
     systems = {"decode": system_prompt(args.system_tokens, 1), "burst": system_prompt(args.burst_tokens, 2)}
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     with tempfile.TemporaryDirectory() as scratch:
         for round_number in range(args.rounds):
             for scenario in [s for s in scenarios if s in ("decode", "burst")]:
@@ -373,13 +339,13 @@ def main(argv: list[str] | None = None) -> int:
                     results["commands"][name] = command
                     print(f"round {round_number + 1}/{args.rounds}: {scenario}, {name}...", file=sys.stderr, flush=True)
                     log = args.out.parent / f"serve_engine-{name}.log"
-                    with running(command, port, log) as (url, process):
+                    with running_process(command, port, env, log) as (url, process):
                         if scenario == "decode":
                             row = run_decode(url, systems["decode"], args.clients, args.turns, args.max_tokens)
                         else:
                             row = run_burst(url, systems["burst"], args.clients)
                         row["peak_rss"] = peak_rss(process.pid)
-                        row["metrics"] = metrics(url) if name == "llama-cache" else {}
+                        row["metrics"] = (cache_metrics(url, names=ENGINE_METRICS) or {}) if name == "llama-cache" else {}
                     row["round"] = round_number
                     row["load_average"] = round(os.getloadavg()[0], 2)
                     results["runs"].setdefault(scenario, {}).setdefault(name, []).append(row)
@@ -420,10 +386,7 @@ def summarise(results: dict[str, Any], systems: dict[str, str]) -> dict[str, Any
             summary.setdefault(scenario, {})[name] = {k: _median(rows, k) for k in keys if _median(rows, k)}
     bursts = results.get("runs", {}).get("burst", {}).get("llama-cache", [])
     if bursts:
-        import llama_cpp
-
-        vocab = llama_cpp.Llama(model_path=str(default_model_path()), vocab_only=True, verbose=False)
-        system_tokens = len(vocab.tokenize(systems["burst"].encode()))
+        system_tokens = len(vocabulary().tokenize(systems["burst"].encode()))
         evaluated, cells = [], []
         for row in bursts:
             m = row["metrics"]

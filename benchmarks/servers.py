@@ -31,6 +31,7 @@ import httpx
 from llama_cache.server.config import N_BATCH
 
 __all__ = [
+    "CACHE_METRICS",
     "DEFAULT_LLAMA_SERVER",
     "REPO",
     "WORDS",
@@ -42,6 +43,7 @@ __all__ = [
     "llama_server_version",
     "percentile",
     "rotation",
+    "running_process",
     "running_server",
     "serve_takes_api_key",
     "server_command",
@@ -89,6 +91,14 @@ def percentile(values: list[float], q: float) -> float | None:
 def running_server(command: list[str], port: int, env: dict[str, str], log: Path,
                    headers: dict[str, str] | None = None) -> Iterator[str]:
     """The server's URL once ``/v1/models`` answers 200 (asked with ``headers``); SIGTERM at the end."""
+    with running_process(command, port, env, log, headers) as (url, _):
+        yield url
+
+
+@contextmanager
+def running_process(command: list[str], port: int, env: dict[str, str], log: Path,
+                    headers: dict[str, str] | None = None) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """As :func:`running_server`, with the server's process (to read its memory, say)."""
     url = f"http://127.0.0.1:{port}"
     with log.open("wb") as sink:
         process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -105,7 +115,7 @@ def running_server(command: list[str], port: int, env: dict[str, str], log: Path
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{command[0]} did not start; see {log}")
             time.sleep(0.2)
-        yield url
+        yield url, process
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -154,8 +164,15 @@ def server_command(name: str, model: Path, settings: Settings, port: int, llama_
     raise ValueError(name)
 
 
-def cache_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, float] | None:
-    """llama-cache's own counters after a run (prompt tokens requested and not evaluated, cache hits)."""
+CACHE_METRICS = ("llama_cache_prompt_tokens_total", "llama_cache_prompt_tokens_cached_total",
+                 "llama_cache_cache_hits_total", "llama_cache_cache_misses_total",
+                 "llama_cache_generation_tokens_total")
+
+
+def cache_metrics(url: str, headers: dict[str, str] | None = None,
+                  names: tuple[str, ...] = CACHE_METRICS) -> dict[str, float] | None:
+    """llama-cache's own counters after a run (by default prompt tokens requested and not evaluated,
+    cache hits; ``names``: those samples); None from another server."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
@@ -164,8 +181,7 @@ def cache_metrics(url: str, headers: dict[str, str] | None = None) -> dict[str, 
         return None
     if response.status_code != 200 or "llama_cache_prompt_tokens_total" not in response.text:
         return None
-    wanted = {"llama_cache_prompt_tokens_total", "llama_cache_prompt_tokens_cached_total",
-              "llama_cache_cache_hits_total", "llama_cache_cache_misses_total", "llama_cache_generation_tokens_total"}
+    wanted = set(names)
     return {sample.name: sample.value for family in text_string_to_metric_families(response.text)
             for sample in family.samples if sample.name in wanted}
 

@@ -65,8 +65,7 @@ def test_greedy_answers_of_concurrent_requests_equal_each_request_alone_bit_for_
         for thread in threads:
             thread.join(timeout=300)
         assert engine.scheduler.stats.shared_tokens > 0  # heads were copied between sequences
-        # Decoded one sequence at a time, never in one batch: steps at least the rows' count of decodes.
-        assert sorted(answers) == list(range(len(prompts)))
+        assert sorted(answers) == list(range(len(prompts))) and sum(map(len, answers.values())) > len(prompts)
     alone = _alone(prompts, max_tokens)
     for index, answer in answers.items():
         assert answer == alone[index], f"request {index} differs under load"

@@ -287,7 +287,7 @@ class HybridCheckpointCache(BaseLlamaCache):
                 return False
             if self.on_device:
                 # Before extracting: the extraction itself overwrites the slot their tensors live in.
-                registry.for_each_cache(self._address, lambda cache: cache._invalidate_device_seq(seq_id))
+                registry.for_each_cache(self._address, lambda cache: cache.drop_device_checkpoints(seq_id))
             buffer = (ctypes.c_uint8 * size)()
             written = int(self._get_data_ext(ctx, buffer, size, seq_id, self._flags))
             if written != size:
@@ -400,16 +400,14 @@ class HybridCheckpointCache(BaseLlamaCache):
                 read = int(self._set_data_ext(ctx, buffer, size, seq_id, self._flags))
                 removed = read == size and bool(self._seq_rm(memory, seq_id, cp.pos_max + 1, -1))
             except BaseException:
-                self._invalidate_everywhere(seq_id, lambda other: True)
+                self._drop_everywhere(seq_id)
                 raise
             if not removed:
                 self._debug("HybridCheckpointCache(restore): native restore failed, seq %d invalidated", seq_id)
-                self._invalidate_everywhere(seq_id, lambda other: True)
+                self._drop_everywhere(seq_id)
                 return False
             key = entry.key
-            self._invalidate_everywhere(
-                seq_id, lambda other: len(other.key) > len(key) or not np.array_equal(other.key, key[: len(other.key)])
-            )
+            registry.for_each_cache(self._address, lambda cache: cache.drop_diverging(seq_id, key))
             self._debug("HybridCheckpointCache(restore): seq %d back at pos %d (native %d)", seq_id, cp.pos, cp.pos_max)
             return True
 
@@ -423,6 +421,22 @@ class HybridCheckpointCache(BaseLlamaCache):
         Complexity: O(N) calls of ``predicate`` for N registered checkpoints. Thread-safe.
         """
         self._invalidate(seq_id, lambda entry: predicate(entry.checkpoint))
+
+    def drop_diverging(self, seq_id: int, tokens: Tokens) -> None:
+        """Drop the checkpoints of sequence ``seq_id`` (every sequence if negative) whose prefix is not a
+        prefix of ``tokens``: what a restore to ``tokens`` makes of every cache of the context.
+
+        Complexity: O(N x K) for N registered checkpoints of K tokens at most. Thread-safe.
+        """
+        key = as_token_array(tokens)
+        self._invalidate(seq_id, lambda entry: len(entry.key) > len(key)
+                         or not np.array_equal(entry.key, key[: len(entry.key)]))
+
+    def drop_device_checkpoints(self, seq_id: int) -> None:
+        """In device mode, drop the checkpoints of sequence ``seq_id``: their device slot is about to be
+        overwritten (no-op in host mode). O(N). Thread-safe."""
+        if self.on_device:
+            self._invalidate(seq_id, lambda entry: True)
 
     def clear(self) -> None:
         """Drop every checkpoint (counters other than entries and bytes are kept). O(1) amortised.
@@ -513,11 +527,6 @@ class HybridCheckpointCache(BaseLlamaCache):
             if doomed:
                 self._debug("HybridCheckpointCache(invalidate): dropped %d checkpoint(s)", len(doomed))
 
-    def _invalidate_device_seq(self, seq_id: int) -> None:
-        """In device mode, drop the checkpoints of ``seq_id`` (their device slot is about to be overwritten)."""
-        if self.on_device:
-            self._invalidate(seq_id, lambda entry: True)
-
-    def _invalidate_everywhere(self, seq_id: int, predicate: Callable[[_Entry], bool]) -> None:
-        """:meth:`_invalidate` in every registered cache of this context, this one included."""
-        registry.for_each_cache(self._address, lambda cache: cache._invalidate(seq_id, predicate))
+    def _drop_everywhere(self, seq_id: int) -> None:
+        """Drop every checkpoint of ``seq_id`` in every registered cache of this context, this one included."""
+        registry.for_each_cache(self._address, lambda cache: cache.drop_checkpoints(seq_id, lambda checkpoint: True))

@@ -166,7 +166,11 @@ class BatchContext:
             end = -1 if self.model.recurrent else n_tokens
             llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, end)
             return True
-        if not self.write_sequence(target, self.read_sequence(source)):
+        try:
+            state = self.read_sequence(source)
+        except DecodeFailed:
+            return False
+        if not self.write_sequence(target, state):
             return False
         if not self.model.recurrent and not self.cut(target, n_tokens):
             self.cut(target)
