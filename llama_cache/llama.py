@@ -36,6 +36,7 @@ import numpy.typing as npt
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
 from llama_cache.detokenizer import Detokenizer
+from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.state.fingerprint import model_description, model_fingerprint, namespaced_fingerprint
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState, RestoreCopy
 from llama_cache.tokens import as_token_array, check_vocabulary
@@ -82,6 +83,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"checkpoint_interval must be positive, got {checkpoint_interval}")
         if cache is not None and not isinstance(cache, llama_cpp.llama_cache.BaseLlamaCache):
             raise TypeError(f"cache must be a BaseLlamaCache, got {type(cache).__name__}")
+        route_llama_cpp_logs()  # llama.cpp's warnings on stderr only when verbose
         super().__init__(*args, **kwargs)
         self.ctx_checkpoints = max(ctx_checkpoints, 0)
         self.checkpoint_interval = checkpoint_interval

@@ -24,6 +24,7 @@ import llama_cpp.llama_chat_format
 import numpy as np
 
 from llama_cache.detokenizer import Detokenizer
+from llama_cache.native_log import route_llama_cpp_logs
 
 __all__ = ["Model", "quiet_llama_cpp"]
 
@@ -33,8 +34,9 @@ ChatHandler = Callable[..., Any]
 
 
 def quiet_llama_cpp() -> None:
-    """Keep llama.cpp's own log lines (routed through llama-cpp-python's ``llama-cpp-python`` logger)
-    off stderr unless they are errors, as ``llama_cpp.Llama(verbose=False)`` does."""
+    """Keep llama.cpp's own log lines off stderr, as ``llama_cpp.Llama(verbose=False)`` means to:
+    they go to Python logging (:mod:`llama_cache.native_log`)."""
+    route_llama_cpp_logs()
     library = logging.getLogger("llama-cpp-python")
     if library.level == logging.NOTSET or library.level < logging.ERROR:
         library.setLevel(logging.ERROR)
