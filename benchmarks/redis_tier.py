@@ -154,10 +154,10 @@ def ttft_child(kind: str, where: str, prompt_file: str, threads: int) -> None:
     lookups: list[float] = []
     lookup_prefix = cache.lookup_prefix
 
-    def timed_lookup(key: Any) -> Any:
+    def timed_lookup(key: Any, *args: Any, **kwargs: Any) -> Any:  # as the cache's (Llama passes namespace=)
         started = time.perf_counter()
         try:
-            return lookup_prefix(key)
+            return lookup_prefix(key, *args, **kwargs)
         finally:
             lookups.append(time.perf_counter() - started)
 

@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from benchmarks import serve, servers
 from benchmarks.machine import machine
+from llama_cache.testing.redis_server import redis_available
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,3 +153,22 @@ def test_the_engine_benchmark_gives_each_server_the_same_pool_and_judges_medians
     assert targets["first_ttft_vs_example_server"]["value"] == 6.0 / 10.0
     assert targets["throughput_vs_llama_server"] == {"value": None, "target": 1.4, "met": None}
     assert targets["step_vs_batched_bench"]["value"] == 0.1 / 0.09 and targets["step_vs_batched_bench"]["met"]
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+def test_the_redis_benchmark_hits_in_its_fresh_processes(tmp_path: Path) -> None:
+    """Its disk and Redis rows time a hit in a process of their own: a short prompt's state is found and
+    restored there (a wrapper that dropped the cache's arguments once made every such lookup a miss)."""
+    out = tmp_path / "redis_tier.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "redis_tier.py"), "--quick", "--sections", "ttft",
+                           "--repeat", "1", "--prompt-tokens", "64", "--threads", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads(out.read_text())["ttft"]["runs"]
+    for shape, most in (("exact", 0), ("suffix", 12)):
+        assert all(run["evaluated"] > 60 for run in runs[shape]["cold"])
+        for setup in ("ram", "disk", "redis"):
+            assert all(run["evaluated"] <= most for run in runs[shape][setup]), (shape, setup, runs[shape][setup])
+        for setup in ("disk", "redis"):
+            assert all(run["lookup_s"] is not None and run["restore_s"] is not None for run in runs[shape][setup])
