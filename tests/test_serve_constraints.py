@@ -25,8 +25,8 @@ import pytest
 
 from llama_cache import Llama, LlamaRAMCache, default_model_path
 from llama_cache.server import ServerConfig
-from llama_cache.server.constraints import (ConstraintCompiler, ConstraintError, ConstraintLimits, SchemaPart,
-                                             SequenceConstraint)
+from llama_cache.server.constraints import (JSON_WHITESPACE_PATTERN, ConstraintCompiler, ConstraintError,
+                                             ConstraintLimits, SchemaPart, SequenceConstraint)
 from llama_cache.server.responses import structured_chunks, structured_completion
 from tests.live_server import LiveServer
 
@@ -107,7 +107,7 @@ def test_the_mask_keeps_allowed_logits_blocks_the_rest_and_allows_only_the_end_o
     assert _matches_weather(json.loads(text))
     oracle = llguidance.LLMatcher(compiler._tokenizer, llguidance.LLMatcher.grammar_from_json_schema(  # noqa: SLF001
         json.dumps({**WEATHER, "additionalProperties": False}),
-        overrides={"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}), log_level=0)
+        overrides={"whitespace_pattern": JSON_WHITESPACE_PATTERN}), log_level=0)
     prompt_length = len(recorder.calls[0][0])
     rng = np.random.default_rng(0)
     for index, (input_ids, before, after) in enumerate(recorder.calls):

@@ -158,7 +158,7 @@ def test_an_output_format_makes_the_text_an_instance_of_its_schema(client: anthr
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
                                                "count": {"type": "integer", "minimum": 1, "maximum": 5}},
               "required": ["colour", "count"]}
-    message = client.messages.create(model="m", max_tokens=40, messages=_ask("Pick a colour and a count."),
+    message = client.messages.create(model="m", max_tokens=80, messages=_ask("Pick a colour and a count."),
                                      output_config={"format": {"type": "json_schema", "schema": schema}})
     value = json.loads(_text(message))
     assert value["colour"] in ("red", "green", "blue") and 1 <= value["count"] <= 5

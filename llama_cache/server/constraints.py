@@ -51,14 +51,17 @@ from llama_cache.server.refusals import ConstraintError, SchemaPart, clean, is_l
 from llama_cache.server.schema_ending import unending
 from llama_cache.server.schema_nodes import Pointer, SchemaIndex, pointer_text
 
-__all__ = ["ConstraintCompiler", "ConstraintError", "ConstraintLimits", "SchemaPart", "SequenceConstraint"]
+__all__ = ["JSON_WHITESPACE_PATTERN", "ConstraintCompiler", "ConstraintError", "ConstraintLimits", "SchemaPart",
+           "SequenceConstraint"]
 
 logger = logging.getLogger(__name__)
 
 _NEG_INF = np.float32(-np.inf)
-# Whitespace between JSON tokens: enough for pretty-printed JSON (a newline and 20 levels of indentation
-# at one space, 10 at two), not for a model to pad forever, which unbounded whitespace would let it do.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+# Whitespace between JSON tokens, as llama.cpp's own converter bounds it: nothing, one space, or one or two
+# line breaks and up to 20 spaces or tabs of indentation. Enough for pretty-printed JSON, not for a small
+# model to spend its tokens on blank lines (unbounded whitespace would let it pad until max_tokens).
+JSON_WHITESPACE_PATTERN = r"(?:\x20|(?:\x0D?\x0A){1,2}[\x20\x09]{0,20})?"
+_JSON_OPTIONS: dict[str, Any] = {"whitespace_pattern": JSON_WHITESPACE_PATTERN}
 
 
 @dataclass(frozen=True)
