@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     with RedisServer() as redis:
         live = LiveServer(ServerConfig(n_ctx=4096, parallel=1, redis_url=redis.url))
         try:
-            cache = live.engine.cache
+            cache = live.service.cache
             conversations = {}
             for mode in ("on", "off"):
                 document = " ".join(rng.choice(words) for _ in range(args.document_words))

@@ -38,6 +38,7 @@ from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared
 from llama_cache.detokenizer import Detokenizer
 from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.state.fingerprint import model_description, model_fingerprint, namespaced_fingerprint
+from llama_cache.state.kv_layout import prefaulted
 from llama_cache.state.llama_state import IncompatibleStateError, LlamaState, RestoreCopy
 from llama_cache.tokens import as_token_array, check_vocabulary
 
@@ -537,7 +538,7 @@ class Llama(llama_cpp.Llama):
 
     def _read_seq_bytes(self) -> npt.NDArray[np.uint8]:
         size = llama_cpp.llama_state_seq_get_size(self._ctx.ctx, _SEQ)
-        buffer = np.empty(size, dtype=np.uint8)
+        buffer = prefaulted(size)  # a state's pages faulted in one call, not one at a time by llama.cpp
         written = llama_cpp.llama_state_seq_get_data(
             self._ctx.ctx, buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, _SEQ
         )

@@ -172,3 +172,20 @@ def test_the_redis_benchmark_hits_in_its_fresh_processes(tmp_path: Path) -> None
             assert all(run["evaluated"] <= most for run in runs[shape][setup]), (shape, setup, runs[shape][setup])
         for setup in ("disk", "redis"):
             assert all(run["lookup_s"] is not None and run["restore_s"] is not None for run in runs[shape][setup])
+
+
+@pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")
+def test_the_write_through_benchmark_runs_on_the_engine_server(tmp_path: Path) -> None:
+    """It switches the served tiered cache's write-through per turn and times both modes' last chunks
+    (it once looked the cache up on an attribute the server no longer has)."""
+    out = tmp_path / "write_through.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "write_through.py"), "--turns", "2",
+                           "--document-words", "60", "--max-tokens", "3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for mode in ("on", "off"):
+        assert len(result["raw"][mode]["last_chunk"]) == 1 and result["raw"][mode]["answer"][0] > 0
+    assert [verdict["target"] for verdict in result["verdicts"]] == [
+        "last chunk <= 10 ms later with write-through on", "whole answer <= 1.05x write-through off"]

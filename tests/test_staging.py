@@ -1,4 +1,4 @@
-"""StagingPool: reused buffers for assembling states, lent to one borrower at a time."""
+"""StagingPool: reused buffers for assembling states, lent to one borrower at a time; prefaulted buffers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from llama_cache.state.kv_layout import StagingPool
+from llama_cache.state.kv_layout import StagingPool, prefaulted
 
 PAGE = mmap.PAGESIZE
 
@@ -113,3 +113,15 @@ def test_bad_settings_are_refused(argument: str, value: float) -> None:
     with pytest.raises(ValueError):
         with StagingPool().borrow(-1):
             pass
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4096, (1 << 20) - 1, 1 << 20, (3 << 20) + 5])
+def test_a_prefaulted_buffer_is_a_private_writable_byte_array_of_the_size_asked(nbytes: int) -> None:
+    first, second = prefaulted(nbytes), prefaulted(nbytes)
+    assert first.dtype == np.uint8 and first.shape == (nbytes,) and first.flags.writeable and first.flags.c_contiguous
+    first[:] = 3
+    assert not np.shares_memory(first, second)
+    assert (first == 3).all()
+    view = first[nbytes // 2:]
+    del first  # a view keeps the mapping alive
+    assert (view == 3).all()

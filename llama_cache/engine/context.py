@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.engine.model import Model
+from llama_cache.state.kv_layout import prefaulted
 
 __all__ = ["BatchContext", "ContextSettings", "DecodeFailed", "NoCells"]
 
@@ -187,7 +188,8 @@ class BatchContext:
         llama_cpp.llama_memory_clear(self.memory, True)
 
     def read_sequence(self, sequence: int, flags: int = 0) -> npt.NDArray[np.uint8]:
-        """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer.
+        """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer (its pages
+        mapped before llama.cpp writes them: see :func:`~llama_cache.state.kv_layout.prefaulted`).
 
         Always in the one-stream form a unified KV writes: with a stream per sequence, llama.cpp
         writes every stream's cell count, all but the sequence's own zero, and those are left out
@@ -197,7 +199,7 @@ class BatchContext:
             DecodeFailed: llama.cpp wrote something else than it announced.
         """
         size = int(llama_cpp.llama_state_seq_get_size_ext(self.pointer, sequence, flags))
-        buffer = np.empty(size, dtype=np.uint8)
+        buffer = prefaulted(size)
         written = int(llama_cpp.llama_state_seq_get_data_ext(
             self.pointer, buffer.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, sequence, flags))
         if written != size:
