@@ -90,8 +90,10 @@ def write_through(results: Results) -> str:
     rows = [[mode, spread(summary[mode]["last_chunk"], ms, " ms"), spread(summary[mode]["answer"], ms, " ms")]
             for mode in ("on", "off")]
     return "\n\n".join([
-        f"One conversation per mode, {settings['turns']} turns on a ~{settings['document_words']}-word document, "
-        f"{settings['max_tokens']} tokens per answer; median (min-max) over the turns:",
+        f"One conversation of {settings['turns']} turns on a ~{settings['document_words']}-word document, "
+        f"{settings['max_tokens']} tokens per answer; each turn answered once, then asked again in both modes "
+        f"(the same greedy answer on {run.get('same_answers', '?')} of {settings['turns']} turns); "
+        "median (min-max) over the turns:",
         table(["`--redis-write-through`", "last chunk after the one before it", "whole answer"], rows),
         f"Write-through adds {num(run['cost_ms'], 1)} ms to the last chunk (the median difference)"
         + (f"; the whole answer takes {num(run['answer_ratio'], 2)}x as long." if "answer_ratio" in run else "."),
