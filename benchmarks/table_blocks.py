@@ -95,7 +95,8 @@ def write_through(results: Results) -> str:
         f"(the same greedy answer on {run.get('same_answers', '?')} of {settings['turns']} turns); "
         "median (min-max) over the turns:",
         table(["`--redis-write-through`", "last chunk after the one before it", "whole answer"], rows),
-        f"Write-through adds {num(run['cost_ms'], 1)} ms to the last chunk (the median difference)"
+        f"Write-through adds {num(run['cost_ms'], 1)} ms to the last chunk (the median difference"
+        + (", at the same position in a turn, averaged)" if "position" in run["raw"]["on"] else ")")
         + (f"; the whole answer takes {num(run['answer_ratio'], 2)}x as long." if "answer_ratio" in run else "."),
         conditions(run),
     ])
