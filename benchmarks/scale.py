@@ -86,6 +86,7 @@ from benchmarks.servers import (
 from benchmarks.machine import machine
 from benchmarks.sse import read_stream
 from llama_cache import default_model_path
+from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.server.config import on_off
 from llama_cache.testing.deployment import Nginx, ServeProcess, nginx_config
 from llama_cache.testing.redis_server import RedisServer
@@ -159,6 +160,7 @@ def documents(model: Path, conversations: int, tokens: int) -> list[str]:
     """One system document per conversation, each at least ``tokens`` tokens long in the model's vocabulary."""
     import llama_cpp
 
+    route_llama_cpp_logs()  # llama-cpp-python would print llama.cpp's warnings despite verbose=False
     vocab = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
     rng = random.Random(20261201)
     texts = []

@@ -47,6 +47,7 @@ from llama_cache.caches.ram import LlamaRAMCache
 from llama_cache.llama import Llama
 from llama_cache.measure import (RestoreTiming, finish_conditions, machine_conditions, recording_restores, timed_chat_completion,
                                  timed_completion)
+from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.state.llama_state import RESTORE_STAGING, LlamaState
 from llama_cache.state.memory import memory_blocks
 
@@ -116,6 +117,7 @@ def run_bench(model_path: Path, prompt_tokens: int, turns: int, out: Path) -> st
     common = {"model_path": str(model_path), "n_ctx": 4096, "n_batch": 512, "seed": 0, "verbose": False}
     theirs_cache = llama_cpp.llama_cache.LlamaRAMCache(capacity_bytes=8 << 30)
     ours_cache = LlamaRAMCache(capacity_bytes=8 << 30)
+    route_llama_cpp_logs()  # the plain llama_cpp.Llama baselines keep llama.cpp's warnings off stderr too
     cold_llm = llama_cpp.Llama(**common)
     theirs_llm = llama_cpp.Llama(**common)
     theirs_llm.set_cache(theirs_cache)

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from llama_cache.caches.trie import LlamaTrieCache
 from llama_cache.measure import CompletionTiming, timed_chat_completion
+from llama_cache.native_log import route_llama_cpp_logs
 
 SYSTEM_PROMPT = (
     "You are a concise assistant for a team that runs language models on small machines. "
@@ -75,6 +76,7 @@ def run_demo(model_path: Path, turns: int, max_tokens: int) -> str:
     ours_cache = LlamaTrieCache(capacity_bytes=4 << 30)
     runs: dict[str, list[TurnResult]] = {}
     with tqdm(total=3 * turns * len(CONVERSATIONS), desc="demo turns", unit="turn", leave=False) as progress:
+        route_llama_cpp_logs()  # the plain llama_cpp.Llama keeps llama.cpp's warnings off stderr too
         plain = llama_cpp.Llama(**common)
         runs["no cache"] = run_chats(plain, turns, max_tokens, progress)
         plain.reset()
