@@ -263,18 +263,21 @@ class RecordingCache(BaseLlamaCache):
     def cache_size(self) -> int:
         return int(self.inner.cache_size)
 
-    def _timed(self, fn: Any, key: Any) -> Any:
+    def _timed(self, fn: Any, key: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return fn(key)
+            return fn(key, **kwargs)
         finally:
             self.lookup_s.append(time.perf_counter() - start)
 
     def __getitem__(self, key: Any) -> Any:
         return self._timed(self.inner.__getitem__, key)
 
-    def lookup_prefix(self, key: Any) -> Any:
-        return self._timed(getattr(self.inner, "lookup_prefix", self.inner.__getitem__), key)
+    def lookup_prefix(self, key: Any, **kwargs: Any) -> Any:
+        # The cache's own arguments (llama_cache.Llama looks up with namespace=) pass on unchanged.
+        if not hasattr(self.inner, "lookup_prefix"):
+            return self._timed(self.inner.__getitem__, key)
+        return self._timed(self.inner.lookup_prefix, key, **kwargs)
 
     def __contains__(self, key: Any) -> bool:
         return key in self.inner
