@@ -6,8 +6,11 @@ with these differences:
 - States are :class:`~llama_cache.state.llama_state.LlamaState`: the sequence's KV plus one logits row,
   not a context-sized scores matrix. A state extended from a restored one shares its KV and owns only
   the new tokens', so a chat's memory grows with its new tokens.
-- After a completion the prompt's own state is cached beside prompt+completion (a view, no copy), and an
-  exact repeat of a cached prompt samples its first token from the stored logits: no decode at all.
+- After a completion prompt+completion's state is cached; a repeat of the prompt restores its part of
+  that state and evaluates the prompt's last token again, for its logits. From then on the prompt's
+  own state is cached beside it (a view of the same KV plus one logits row), and later repeats sample
+  their first token from the stored row: no decode at all. A cache that cannot answer a prompt from a
+  longer key (``LlamaTrieCache``) gets the prompt's own state at once.
 - When the best entry diverges from the prompt (``LlamaRAMCache``'s policy) it is restored and its KV
   cut back to the common prefix; only the rest is evaluated.
 - A state from another model or KV configuration is a cache miss (logged), never a wrong answer.
@@ -117,6 +120,9 @@ class Llama(llama_cpp.Llama):
         self._evaluated_in_generate = 0
         self._awaiting_first_sample = False
         self._pending_prompt_state: tuple[npt.NDArray[np.int32], LlamaState] | None = None
+        # Whether this completion's prompt was held whole before it ran (a repeat): only then is its
+        # own state, with its logits row, cached beside prompt + completion's (see save_state).
+        self._prompt_was_held = False
         self.last_prompt_tokens_evaluated = 0
         """Prompt tokens the last ``generate`` evaluated before its first token (0 on an exact hit)."""
         self.checkpoints: HybridCheckpointCache | None = None
@@ -235,6 +241,8 @@ class Llama(llama_cpp.Llama):
         tokens = self._checked_tokens(tokens)
         self._prompt_len = len(tokens)
         self._prompt_logits = None
+        if self.n_tokens >= len(tokens) > 0 and np.array_equal(self._input_ids[: len(tokens)], tokens):
+            self._prompt_was_held = True
         self._evaluated_in_generate = 0
         self._awaiting_first_sample = True
         if self.checkpoints is not None and kwargs.get("reset", True):
@@ -383,13 +391,25 @@ class Llama(llama_cpp.Llama):
         state = self._snapshot()
         prompt_len = self._prompt_len
         if self._prompt_logits is not None and 0 < prompt_len < state.n_tokens and state.layout is not None:
-            self._pending_prompt_state = (state.tokens[:prompt_len], state.prefix(prompt_len, self._prompt_logits))
+            if self._caches_the_prompt_alone():
+                self._pending_prompt_state = (state.tokens[:prompt_len], state.prefix(prompt_len, self._prompt_logits))
             if isinstance(self.cache, _FailSafeCache):
                 # Inside a completion this is prompt + completion's state, which the cache keeps for
                 # the next turn: a query extending it evaluates its own tokens, so its logits row
                 # (one per entry, 8.5 tokens' KV for the default model) would never be read.
                 return state.without_logits()
         return state
+
+    def _caches_the_prompt_alone(self) -> bool:
+        """Whether this completion's prompt gets a state of its own beside prompt + completion's.
+
+        That state adds one logits row (8.5 tokens' KV for the default model) to serve an exact repeat
+        without a decode. A cache that finds the prompt inside the longer key serves a first repeat with
+        one decode, so the row is kept only for a prompt that has been asked again.
+        """
+        cache = self.cache
+        inner = cache.wrapped if isinstance(cache, _FailSafeCache) else cache
+        return self._prompt_was_held or not getattr(inner, "finds_keys_extending_the_query", False)
 
     def _snapshot(self) -> LlamaState:
         """The evaluated sequence as a state, sharing the KV of the state the context was built on."""
@@ -494,6 +514,8 @@ class Llama(llama_cpp.Llama):
         head = np.asarray(query[: state.n_tokens], dtype=np.int32)
         differs = np.flatnonzero(state.tokens[: len(head)] != head)
         common = int(differs[0]) if len(differs) else len(head)
+        if common == len(query):
+            self._prompt_was_held = True
         if common == state.n_tokens and (state.logits is not None or common < len(query)):
             return state  # the whole state is on the prompt's path: restore it as it is
         keep = min(common, len(query) - 1)  # at least one prompt token left to evaluate, for logits
@@ -579,6 +601,7 @@ class Llama(llama_cpp.Llama):
         # A cache failure (a full disk, an unreachable server, a bad value) must never fail a completion:
         # for its duration the cache is seen through a guard that turns failures into logged misses.
         self._pending_prompt_state = None
+        self._prompt_was_held = False
         cache = self.cache
         if cache is not None:
             self.cache = _FailSafeCache(cache, self._lookup_in_namespace)  # type: ignore[assignment]
@@ -660,6 +683,11 @@ class _FailSafeCache:
         self._cache = cache
         self._lookup = lookup  # (cache, key) -> state, in the completion's namespace
         self._query: Sequence[int] | None = None
+
+    @property
+    def wrapped(self) -> Any:
+        """The cache this view guards."""
+        return self._cache
 
     def take_query(self) -> Sequence[int] | None:
         """The key of the last lookup, once: llama-cpp-python restores what that lookup returned."""

@@ -696,7 +696,10 @@ def test_a_hit_loaded_by_a_new_process_matches_a_cold_run(tmp_path: Path) -> Non
     directory = tmp_path / "cache"
     cache = LlamaDiskCache(directory, fingerprint=llm.fingerprint)
     llm.set_cache(cache)
-    llm.create_completion(_PROMPT, max_tokens=16, temperature=0)  # a miss: stored
+    llm.create_completion(_PROMPT, max_tokens=16, temperature=0)  # a miss: prompt + answer stored
+    llm.reset()
+    llm.create_completion(_PROMPT, max_tokens=16, temperature=0)  # a repeat: the prompt's own state too
+    assert llm.last_prompt_tokens_evaluated == 1
     cache.close()
 
     result = _run_python(_MODEL_CHILD, str(directory), _PROMPT, _SUFFIX, timeout=120)
@@ -855,13 +858,17 @@ def test_after_a_pure_hit_a_completion_writes_no_new_payload(tmp_path: Path) -> 
     cache = LlamaDiskCache(directory, fingerprint=llm.fingerprint)
     llm.set_cache(cache)
     first = llm.create_completion(PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
+    llm.reset()
+    # The first repeat evaluates the prompt's last token again and stores the prompt's own state.
+    assert llm.create_completion(PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"] == first
+    assert llm.last_prompt_tokens_evaluated == 1
     cache.flush()
     files = sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst"))
-    writes = cache.stats().writes
-    assert len(files) == len(cache) + cache.storage().chunks and writes >= 1
+    writes, hits = cache.stats().writes, cache.stats().hits
+    assert len(files) == len(cache) + cache.storage().chunks and writes >= 2
     llm.reset()
     second = llm.create_completion(PLAIN_PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]
-    assert second == first and cache.stats().hits >= 1
+    assert second == first and cache.stats().hits == hits + 1 and llm.last_prompt_tokens_evaluated == 0
     assert cache.stats().writes == writes
     assert sorted(p.name for p in (directory / disk.DATA_DIR).rglob("*.llst")) == files
     cache.close()

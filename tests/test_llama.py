@@ -67,6 +67,30 @@ def test_exact_repeat_needs_no_decode_and_gives_the_cold_text(cold: Llama) -> No
     assert first == again == _greedy(cold, prompt)
 
 
+def test_a_prompt_asked_once_caches_no_logits_row_and_its_repeats_learn_one(cold: Llama) -> None:
+    # A longest-common-prefix cache answers a repeat from prompt + answer's state: the first repeat
+    # evaluates the last prompt token again and caches the prompt's own state; later ones evaluate nothing.
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    llm = _make(cache)
+    prompt = llm.tokenize((DOCUMENT + "Q: What do llamas carry?\nA:").encode())
+    expected = _greedy(cold, prompt)
+    assert _greedy(llm, prompt) == expected
+    assert len(cache) == 1 and cache[prompt].n_tokens > len(prompt) and cache[prompt].logits is None
+    evaluated = []
+    for _ in range(3):
+        llm.reset()
+        assert _greedy(llm, prompt) == expected
+        evaluated.append(llm.last_prompt_tokens_evaluated)
+    assert evaluated == [1, 0, 0]
+    assert len(cache) == 2 and cache[prompt].n_tokens == len(prompt) and cache[prompt].logits is not None
+    # Without reset, the live context holds the prompt: that repeat counts as asked again too.
+    live_cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    live = _make(live_cache)
+    for _ in range(2):
+        assert live.create_completion(prompt, max_tokens=12, temperature=0.0, seed=0)["choices"][0]["text"] == expected
+    assert live.last_prompt_tokens_evaluated == 1 and len(live_cache) == 2
+
+
 def test_a_one_token_answer_from_a_restored_state_can_be_asked_again(cold: Llama) -> None:
     # One token asked for: it is never evaluated, so the restored state stays the live context and the
     # repeat samples at the same position, for which llama.cpp holds another prompt's logits (in a

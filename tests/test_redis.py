@@ -542,7 +542,7 @@ def test_a_second_process_with_its_own_ram_tier_hits_what_the_first_computed(fre
 
 
 @pytest.mark.model
-def test_an_exact_repeat_after_reset_evaluates_nothing(fresh: Deployment) -> None:
+def test_an_exact_repeat_after_reset_evaluates_nothing_once_the_prompt_was_asked_again(fresh: Deployment) -> None:
     # 257 tokens: one full chunk and a one-token tail. On a cluster the exact hit's recency update
     # (a script in the fetch's pipeline) was refused by redis-py, and the whole prompt was evaluated again.
     import llama_cache
@@ -555,10 +555,15 @@ def test_an_exact_repeat_after_reset_evaluates_nothing(fresh: Deployment) -> Non
     first = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
     assert llm.last_prompt_tokens_evaluated == 257
     llm.reset()
+    # The first repeat is answered from prompt + answer's chunks: the last prompt token again, for its
+    # logits; it stores the prompt's own state (its logits row), which serves the next repeat whole.
+    again = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
+    assert llm.last_prompt_tokens_evaluated == 1 and again == first
+    llm.reset()
     again = llm.create_completion(prompt, max_tokens=4, temperature=0)["choices"][0]["text"]
     assert llm.last_prompt_tokens_evaluated == 0 and again == first
     stats = cache.stats()
-    assert (stats.hits, stats.misses, cache.errors) == (1, 1, 0)
+    assert (stats.hits, stats.misses, cache.errors) == (2, 1, 0)
     llm.reset()
     llm.create_completion([*prompt, *llm.tokenize(b" Its inventor", add_bos=False)], max_tokens=4, temperature=0)
     assert 0 < llm.last_prompt_tokens_evaluated <= 3

@@ -110,6 +110,17 @@ class BaseLlamaCache(_upstream.BaseLlamaCache):
         self._lock = threading.RLock()
 
     @property
+    def finds_keys_extending_the_query(self) -> bool:
+        """Whether a lookup may answer with an entry whose key runs past the query (the longest common
+        prefix), so that the state of a prompt and its answer also serves that prompt asked again.
+
+        True for this package's longest-common-prefix caches; :class:`~llama_cache.caches.trie.LlamaTrieCache`
+        answers only with keys that prefix the query. ``llama_cache.Llama`` caches a prompt's own state
+        beside prompt + answer only where this is False, or once the prompt is asked again.
+        """
+        return True
+
+    @property
     @abstractmethod
     def cache_size(self) -> int:
         """Bytes currently charged to the cache."""

@@ -150,6 +150,11 @@ class TieredCache(BaseLlamaCache, lifecycle.HeldAcrossFork):
         self._touch_queued = False
         lifecycle.register(self, stage=lifecycle.FRONT)
 
+    @property
+    def finds_keys_extending_the_query(self) -> bool:
+        """Whether every tier finds keys that run past the query (see the base class)."""
+        return all(tier.finds_keys_extending_the_query for tier in self.tiers)
+
     # ------------------------------------------------------------------------------------ lookups
 
     def __getitem__(self, key: Sequence[int]) -> Any:

@@ -17,5 +17,10 @@ class LlamaTrieCache(IndexedMemoryCache):
     and thread-safety.
     """
 
+    @property
+    def finds_keys_extending_the_query(self) -> bool:
+        """False: only a key that prefixes the query answers it."""
+        return False
+
     def _match(self, index: RadixIndex[_Entry], query: CheckedTokens) -> Match[_Entry] | None:
         return index.longest_prefix(query)
