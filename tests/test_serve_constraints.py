@@ -193,7 +193,8 @@ def test_the_first_token_of_an_exact_cached_repeat_is_constrained_too(
     llama: Llama, compiler: ConstraintCompiler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     messages = [{"role": "user", "content": "Say hello to the world in French."}]
-    llama.create_chat_completion(messages, max_tokens=4, temperature=0)  # caches the prompt's state
+    for _ in range(2):  # asked again, the prompt's own state (with its logits row) is cached
+        llama.create_chat_completion(messages, max_tokens=4, temperature=0)
     llama.create_chat_completion([{"role": "user", "content": "Something else entirely."}], max_tokens=2)
     rows: list[int] = []
     sample_row = llama._sample_row  # noqa: SLF001 - the stored-logits path under test
