@@ -311,7 +311,10 @@ class Llama(llama_cpp.Llama):
         They serve every sample at the restored state's last position until a decode moves on.
 
         The stored row goes through the same sampler chain, the way ``llama_sampler_sample`` feeds
-        it a freshly decoded row, so the token is the one a cold run samples.
+        it a freshly decoded row, so the token is the one sampled when that row was computed. (The
+        first repeat of a prompt computes it again, alone in its decode: llama.cpp's logits for a row
+        may differ in their last bits with the rows decoded beside it, so on a near tie a greedy
+        answer can differ from the first run's, as at any change of ``n_batch``.)
         """
         position = self.n_tokens - 1 if idx is None else idx
         if self._restored_logits is not None and position == self.n_tokens - 1:

@@ -10,7 +10,9 @@ llama.cpp) whose cells are always in position order, and a copied head is copied
 What changes the context's memory is here, each a thin, checked call of llama.cpp's API
 (``spec/llama_context_state_api.md``): :meth:`decode`, :meth:`copy_cells` (``llama_memory_seq_cp``:
 cells shared, nothing copied; per-sequence streams: the source's state written into the target), :meth:`cut` (``llama_memory_seq_rm``), :meth:`read_sequence` /
-:meth:`write_sequence` (``llama_state_seq_get_data_ext`` / ``_set_data_ext``).
+:meth:`write_sequence` (``llama_state_seq_get_data_ext`` / ``_set_data_ext``). With a recurrent or
+hybrid model each change is also reported to the checkpoint registry
+(:mod:`llama_cache.checkpoints.registry`), which drops the checkpoints it invalidates.
 
 Thread-safety: none. One thread (the scheduler's) makes every call; the numpy views returned by
 :meth:`logits_row` are valid until its next :meth:`decode`.
@@ -26,6 +28,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from llama_cache.checkpoints import notify_memory_cleared, notify_seq_changed, notify_seq_removed
 from llama_cache.engine.model import Model
 from llama_cache.state.kv_layout import prefaulted
 
@@ -166,6 +169,7 @@ class BatchContext:
         if self.shares_cells:
             end = -1 if self.model.recurrent else n_tokens
             llama_cpp.llama_memory_seq_cp(self.memory, source, target, 0, end)
+            self._changed(target)
             return True
         try:
             state = self.read_sequence(source)
@@ -181,11 +185,16 @@ class BatchContext:
     def cut(self, sequence: int, start: int = 0) -> bool:
         """Drop ``sequence``'s positions from ``start`` on (0: all of them); False if the memory cannot
         (recurrent memory cut inside its history)."""
-        return bool(llama_cpp.llama_memory_seq_rm(self.memory, sequence, start, -1))
+        removed = bool(llama_cpp.llama_memory_seq_rm(self.memory, sequence, start, -1))
+        if self.model.recurrent:
+            notify_seq_removed(self.pointer, sequence, start, -1)
+        return removed
 
     def clear(self) -> None:
         """Empty the whole memory."""
         llama_cpp.llama_memory_clear(self.memory, True)
+        if self.model.recurrent:
+            notify_memory_cleared(self.pointer)
 
     def read_sequence(self, sequence: int, flags: int = 0) -> npt.NDArray[np.uint8]:
         """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer (its pages
@@ -220,10 +229,17 @@ class BatchContext:
             array = spread
         read = int(llama_cpp.llama_state_seq_set_data_ext(
             self.pointer, array.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), len(array), sequence, flags))
+        self._changed(sequence)
         if read != len(array):
             self.cut(sequence)
             return False
         return True
+
+    def _changed(self, sequence: int) -> None:
+        """Tell the checkpoint registry that ``sequence``'s memory was replaced (recurrent models keep
+        checkpoints of it: :mod:`llama_cache.engine.rollback`)."""
+        if self.model.recurrent:
+            notify_seq_changed(self.pointer, sequence)
 
     def close(self) -> None:
         """Free the context (once)."""

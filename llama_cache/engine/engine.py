@@ -6,7 +6,8 @@ batch jobs through :meth:`Engine.completions` (llama-cpp-python's ``create_compl
 ``create_chat_completion``, per request, on the shared engine).
 
 A prompt starts from the longest of: cells a live or idle sequence of its cache namespace holds
-(shared with ``llama_memory_seq_cp``), a state of the cache tiers (restored into its sequence), or
+(shared with ``llama_memory_seq_cp``), a state of the cache tiers (restored into its sequence), a
+checkpoint of an idle sequence on its path (recurrent and hybrid models: :mod:`.rollback`), or
 nothing. Finished sequences stay in the context, idle, as the fastest tier; they go to the cache tiers
 when evicted, and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
 processes should find the state now), every finished completion's state is stored as it ends.
@@ -36,6 +37,7 @@ from llama_cache.engine.context import BatchContext, ContextSettings
 from llama_cache.engine.model import Model
 from llama_cache.engine.requests import EngineRequest
 from llama_cache.engine.residency import Residency
+from llama_cache.engine.rollback import DEFAULT_CHECKPOINT_BYTES, DEFAULT_CHECKPOINT_INTERVAL, Rollback
 from llama_cache.engine.scheduler import Generation, Scheduler
 from llama_cache.state.fingerprint import context_fingerprint, describe_model, namespaced_fingerprint
 from llama_cache.state.llama_state import LlamaState
@@ -76,6 +78,11 @@ class Engine:
             eviction and at :meth:`close`).
         chat_template: a Jinja2 chat template instead of the model's.
         prefill_while_generating: prompt tokens per step while sequences generate.
+        checkpoint_interval: recurrent and hybrid models: prompt tokens between two checkpoints of
+            a sequence's recurrent state, besides the one before a prompt's last token (see
+            :mod:`.rollback`).
+        checkpoint_bytes: recurrent and hybrid models: the most bytes those checkpoints hold
+            together, oldest out first.
         deterministic: a greedy answer is the same alone or under any load, bit for bit: each
             sequence has a KV stream of its own (``n_ctx / n_seq_max`` cells, rounded up to 256 by
             llama.cpp; one is kept spare), its rows are decoded apart from other sequences', and a
@@ -92,13 +99,17 @@ class Engine:
                  idle_sequences: int | None = None, n_threads: int | None = None, n_batch: int = 512,
                  flash_attn: bool = True, cache: BaseLlamaCache | None = None, store_finished: bool = False,
                  chat_template: str | None = None, prefill_while_generating: int = 128,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
+                 checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be positive, got {parallel}")
         if idle_sequences is not None:
             idle = idle_sequences
         else:
             idle = 0 if deterministic else max(parallel, 4)
+        for name, value in (("checkpoint_interval", checkpoint_interval), ("checkpoint_bytes", checkpoint_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
         if idle < 0:
             raise ValueError(f"idle_sequences must not be negative, got {idle}")
         n_seq = min(parallel + idle, int(llama_cpp.llama_max_parallel_sequences()))
@@ -130,9 +141,12 @@ class Engine:
             if callable(bind) and getattr(cache, "fingerprint", "") is None:
                 bind(self.model_fingerprint, model_info=describe_model(path, self.model.pointer))
         self.residency = Residency(n_seq, whole_states_only=self.model.recurrent, shared_cells=not deterministic)
+        self.rollback = (Rollback(self.context.pointer, n_seq, checkpoint_interval, checkpoint_bytes)
+                         if self.model.recurrent else None)
+        """A recurrent or hybrid model's checkpoints per sequence (None for transformers)."""
         self.scheduler = Scheduler(self.context, self.residency, store=self.store if cache is not None else None,
                                    max_running=n_seq, prefill_while_generating=prefill_while_generating,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic, rollback=self.rollback)
         self._closed = False
 
     # -- namespaces and reuse ----------------------------------------------------------------------
@@ -280,6 +294,8 @@ class Engine:
             close = getattr(self.cache, "close", None)
             if callable(close):
                 close()
+        if self.rollback is not None:
+            self.rollback.close()  # it borrows the context about to be freed
         self.context.close()
         self.model.close()
 

@@ -205,6 +205,13 @@ class Residency:
             if resident.logits is not None and resident.logits[0] > n_tokens:
                 resident.logits = None
 
+    def rolled_back(self, resident: Resident, n_tokens: int) -> None:
+        """``resident``'s memory was taken back to its first ``n_tokens`` positions by a checkpoint
+        (a recurrent model): the tiers hold no state of what it holds now."""
+        self.cut(resident, n_tokens)
+        with self._lock:
+            resident.stored = 0
+
     def emptied(self, resident: Resident) -> None:
         """``resident`` holds nothing any more."""
         self.cut(resident, 0)

@@ -46,8 +46,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from llama_cache.checkpoints import HybridCheckpoint
 from llama_cache.engine.context import BatchContext, DecodeFailed, NoCells
 from llama_cache.engine.residency import Resident, Residency, common_prefix
+from llama_cache.engine.rollback import Rollback
 from llama_cache.engine.sampling import Sampler
 from llama_cache.state.llama_state import LlamaState
 
@@ -133,6 +135,8 @@ class SchedulerStats:
     shared_tokens: int = 0
     """Tokens a sequence took from another's cells instead of evaluating them."""
     restored_tokens: int = 0
+    rolled_back_tokens: int = 0
+    """Tokens a sequence of a recurrent model kept by going back to a checkpoint instead of evaluating them."""
 
 
 class Scheduler:
@@ -148,11 +152,16 @@ class Scheduler:
         deterministic: each generation's rows in decodes of their own (see the module's docstring);
             the context must give each sequence a stream of its own, with a cell to spare beyond
             what any generation holds.
+        rollback: a recurrent or hybrid model's checkpoints per sequence (owned by the caller, who
+            closes it after this scheduler): prompts are read up to each checkpoint and saved there,
+            and a prompt leaving an idle sequence's path takes it back to the furthest checkpoint on
+            its own.
     """
 
     def __init__(self, context: BatchContext, residency: Residency, *,
                  store: Callable[[LlamaState], None] | None = None, max_running: int | None = None,
-                 prefill_while_generating: int = 128, deterministic: bool = False) -> None:
+                 prefill_while_generating: int = 128, deterministic: bool = False,
+                 rollback: Rollback | None = None) -> None:
         if deterministic and context.shares_cells:
             raise ValueError("deterministic mode needs a KV stream per sequence (kv_unified off)")
         self.context = context
@@ -162,6 +171,7 @@ class Scheduler:
         self.max_running = min(max_running or n_seq, n_seq)
         self.prefill_while_generating = max(1, min(prefill_while_generating, context.n_batch))
         self.deterministic = deterministic
+        self.rollback = rollback
         self.stats = SchedulerStats()
         self._condition = threading.Condition()
         self._inbox: list[Generation] = []
@@ -270,6 +280,11 @@ class Scheduler:
             except DecodeFailed as error:
                 logger.error("%s; ending the generations of the batch", error)
                 for generation, _, _ in plan:
+                    resident = generation.resident
+                    if resident is not None:
+                        # llama.cpp may have kept some of the batch's rows: what the sequence holds is unknown.
+                        self.context.cut(resident.seq)
+                        self.residency.emptied(resident)
                     if generation in self._running:
                         self._finish(generation, "error", error)
                 return True
@@ -320,8 +335,12 @@ class Scheduler:
             usable = self._usable(restore, generation, tokens, limit)
             if usable <= reused:
                 restore, generation.restore = None, None
-        if restore is None and source is not None and not source.busy and source.n == reused:
-            target: Resident | None = source  # a conversation's next turn: its sequence goes on
+        rolled = self._rolled_back_for(tokens[:limit], fingerprint, max(reused, usable))
+        if rolled is not None:
+            target, reused = rolled
+            generation.restore = None
+        elif restore is None and source is not None and not source.busy and source.n == reused:
+            target = source  # a conversation's next turn: its sequence goes on
         else:
             target = residency.free() or self._evict_one(keep=source)
             if target is None and restore is None and source is not None and not source.busy:
@@ -350,6 +369,42 @@ class Scheduler:
         generation.todo = tokens[reused:]
         generation.generating = False
         return True
+
+    def _rolled_back_for(self, head: npt.NDArray[np.int32], fingerprint: str,
+                         beyond: int) -> tuple[Resident, int] | None:
+        """Take the idle sequence of the namespace whose checkpoint holds the longest part of ``head``,
+        if longer than ``beyond``, back to that checkpoint: it and the tokens it holds now; None if
+        there is none. Its history is kept first: copied into a free sequence if there is one (cells
+        shared, nothing evaluated), else given to the tiers, as at an eviction."""
+        if self.rollback is None:
+            return None
+        best: tuple[Resident, HybridCheckpoint] | None = None
+        for resident in self.residency.idle():
+            if resident.fingerprint != fingerprint:
+                continue
+            checkpoint = self.rollback.best(resident.seq, head)
+            if checkpoint is None or checkpoint.pos <= max(beyond, 0 if best is None else best[1].pos):
+                continue
+            if common_prefix(resident.tokens, head) >= checkpoint.pos:
+                best = (resident, checkpoint)
+        if best is None:
+            return None
+        resident, checkpoint = best
+        pos = checkpoint.pos
+        spare = self.residency.free()
+        if spare is not None and self.context.copy_cells(resident.seq, spare.seq, resident.n):
+            self.residency.copied(resident, spare, resident.n)
+            self.residency.release(spare)  # idle, as recently used as the history it holds
+        else:
+            self._store_resident(resident)
+        if not self.rollback.restore(resident.seq, checkpoint):
+            logger.info("a checkpoint could not be restored; evaluating")
+            self.context.cut(resident.seq)
+            self.residency.emptied(resident)
+            return None
+        self.residency.rolled_back(resident, pos)
+        self.stats.rolled_back_tokens += pos
+        return resident, pos
 
     def _place_exact(self, generation: Generation, tokens: npt.NDArray[np.int32]) -> bool:
         """An exact repeat of a prompt a sequence holds with its logits row: it shares all the cells
@@ -511,6 +566,8 @@ class Scheduler:
             take = min(len(generation.todo), budget, chunk)
             if take <= 0:
                 break
+            if self.rollback is not None and not generation.sampled and generation.resident is not None:
+                take = self.rollback.until_next(generation.resident.n, len(generation.prompt), take)
             if take > free:
                 self._make_room(rows + take)
                 free = self._free_cells() - rows
@@ -578,6 +635,9 @@ class Scheduler:
             if not generation.sampled:
                 generation.prompt_evaluated += count
             if len(generation.todo):
+                if (self.rollback is not None and not generation.sampled
+                        and self.rollback.due(resident.n, len(generation.prompt))):
+                    self.rollback.save(resident.seq, resident.tokens)
                 continue
             last = row + count - 1
             if not generation.sampled:  # the prompt's last row: kept for an exact repeat

@@ -1,0 +1,100 @@
+"""The engine on recurrent and hybrid models (the tiny mamba and lfm2): checkpoints per sequence take an
+idle sequence back to a head of its history, and the answers are those of a fresh engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llama_cache import Engine
+
+SYSTEM = "You are a careful assistant who answers in one line. " * 12  # 133 tokens
+INTERVAL = 32
+QUESTIONS = ["Q: first question?", "Q: another one entirely?"]
+
+
+def _ask(engine: Engine, question: str) -> tuple[str, int, int]:
+    """The greedy answer, the prompt tokens not evaluated, and the prompt's tokens."""
+    request = engine.submit(SYSTEM + question, max_tokens=8, temperature=0)
+    result = request.result()
+    return result["choices"][0]["text"], request.cached_tokens, result["usage"]["prompt_tokens"]
+
+
+def _fresh(path: Path, question: str) -> str:
+    with Engine(path, n_ctx=1024, parallel=1, idle_sequences=0) as engine:
+        return _ask(engine, question)[0]
+
+
+@pytest.mark.parametrize("arch", ["mamba", "lfm2"])
+def test_a_repeat_and_another_conversation_go_back_to_checkpoints(tiny_model_paths: dict[str, Path],
+                                                                   arch: str) -> None:
+    path = tiny_model_paths[arch]
+    expected = [_fresh(path, question) for question in QUESTIONS]
+    with Engine(path, n_ctx=1024, parallel=1, checkpoint_interval=INTERVAL) as engine:
+        assert engine.rollback is not None
+        first, cached, n = _ask(engine, QUESTIONS[0])
+        assert (first, cached) == (expected[0], 0)
+        # The sequence holds prompt + answer; the repeat goes back to just before the prompt's last token.
+        again, cached, _ = _ask(engine, QUESTIONS[0])
+        assert (again, cached) == (expected[0], n - 1)
+        # Another question on the same system prompt: back to the last checkpoint inside the shared head.
+        shared = len(engine.model.tokenize((SYSTEM + "Q:").encode())) - 1
+        other, cached, _ = _ask(engine, QUESTIONS[1])
+        assert other == expected[1] and cached == shared // INTERVAL * INTERVAL > 0
+        # The first question's checkpoints past the shared head went with its history: going back there
+        # again reaches the shared head's checkpoint, and the answer is still the fresh one.
+        third, cached, _ = _ask(engine, QUESTIONS[0])
+        assert third == expected[0] and cached == shared // INTERVAL * INTERVAL
+        assert engine.scheduler.stats.rolled_back_tokens == (n - 1) + 2 * cached
+
+
+def test_a_sequence_taken_back_leaves_its_history_in_a_free_sequence(tiny_model_paths: dict[str, Path]) -> None:
+    with Engine(tiny_model_paths["lfm2"], n_ctx=1024, parallel=1, checkpoint_interval=INTERVAL) as engine:
+        prompt = engine.model.tokenize((SYSTEM + QUESTIONS[0]).encode())
+        engine.submit(prompt, max_tokens=8, temperature=0).result()
+        (history,) = [r.tokens.copy() for r in engine.residency.residents if r.n > len(prompt)]
+        assert _ask(engine, QUESTIONS[1])[1] > 0  # the first conversation's sequence went back
+        # Its next turn still finds the whole first turn: the history was copied before the rollback.
+        turn = [*history.tolist(), *engine.model.tokenize(b" Tell me more.", add_bos=False)]
+        fresh = Engine(tiny_model_paths["lfm2"], n_ctx=1024, parallel=1, idle_sequences=0)
+        with fresh:
+            expected = fresh.submit(turn, max_tokens=8, temperature=0).result()["choices"][0]["text"]
+        request = engine.submit(turn, max_tokens=8, temperature=0)
+        assert request.result()["choices"][0]["text"] == expected
+        assert request.cached_tokens == len(history)
+
+
+def test_a_busy_sequence_is_never_taken_back(tiny_model_paths: dict[str, Path]) -> None:
+    path = tiny_model_paths["mamba"]
+    expected = _fresh(path, QUESTIONS[0])
+    # No idle sequence to spare: the repeat's sequence is the only one, and it is taken back only once
+    # its generation has ended; two requests together both get the fresh answer.
+    with Engine(path, n_ctx=1024, parallel=2, idle_sequences=0, checkpoint_interval=INTERVAL) as engine:
+        requests = [engine.submit(SYSTEM + QUESTIONS[0], max_tokens=8, temperature=0) for _ in range(2)]
+        assert [r.result()["choices"][0]["text"] for r in requests] == [expected, expected]
+        assert _ask(engine, QUESTIONS[0])[0] == expected
+
+
+def test_transformer_engines_keep_no_checkpoints_and_the_interval_is_checked(tiny_model_paths: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        Engine(tiny_model_paths["mamba"], n_ctx=256, parallel=1, checkpoint_interval=0)
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        Engine(tiny_model_paths["mamba"], n_ctx=256, parallel=1, checkpoint_interval=True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="checkpoint_bytes"):
+        Engine(tiny_model_paths["mamba"], n_ctx=256, parallel=1, checkpoint_bytes=-1)
+
+
+def test_checkpoints_larger_than_their_budget_are_not_kept(tiny_model_paths: dict[str, Path]) -> None:
+    path = tiny_model_paths["mamba"]
+    with Engine(path, n_ctx=1024, parallel=1, checkpoint_interval=INTERVAL, checkpoint_bytes=64) as engine:
+        assert engine.rollback is not None
+        _ask(engine, QUESTIONS[0])
+        assert (len(engine.rollback), engine.rollback.nbytes) == (0, 0)
+        assert _ask(engine, QUESTIONS[0])[1] == 0  # nothing to go back to: evaluated again
+
+
+@pytest.mark.model
+def test_a_transformer_engine_has_no_rollback() -> None:
+    with Engine(n_ctx=512, parallel=1) as engine:
+        assert engine.rollback is None
