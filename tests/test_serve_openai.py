@@ -406,6 +406,10 @@ def test_n_choices_on_a_recurrent_model_equal_single_requests(tiny_model_paths: 
             single = client.completions.create(model="m", prompt="Hello there, how", max_tokens=5, temperature=1.0,
                                                seed=11 + index)
             assert single.choices[0].text == choice.text
+        # A repeat goes back to the checkpoint its sequence took before the prompt's last token.
+        again = client.completions.create(model="m", prompt="Hello there, how", max_tokens=5, temperature=0)
+        assert again.usage.prompt_tokens_details is not None
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     finally:
         live.stop()
 
