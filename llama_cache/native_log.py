@@ -12,7 +12,7 @@ longer than the model was trained on), and each info line for a warning.
 right and sends each line to the :data:`LOGGER_NAME` logger (under ``llama_cache``, whose
 ``NullHandler`` keeps it silent until an application configures logging). A line is also printed to
 stderr, as llama-cpp-python would, when that library was asked to be verbose: its logger's level is
-set and at or below the line's level (``Llama(verbose=True)`` sets ``DEBUG``; ``verbose=False`` sets
+set below ``ERROR`` and at or below the line's level (``Llama(verbose=True)`` sets ``DEBUG``; ``verbose=False`` sets
 ``ERROR``, so a quiet library prints nothing of llama.cpp's, errors included: they still reach the
 logger).
 
@@ -52,7 +52,9 @@ def _log_line(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> No
         _last_level = python_level
         line = (text or b"").decode("utf-8", "replace")
         verbose = _bindings_logger.level
-        if verbose != logging.NOTSET and verbose <= python_level:
+        # verbose=False sets ERROR: quiet, errors included (they reach the logger); only a level
+        # below that is a request for llama.cpp's lines on stderr.
+        if logging.NOTSET < verbose < logging.ERROR and verbose <= python_level:
             print(line, end="", flush=True, file=sys.stderr)
         stripped = line.rstrip("\n")
         if stripped and _logger.isEnabledFor(python_level):

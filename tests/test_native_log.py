@@ -58,3 +58,24 @@ def test_a_verbose_llama_still_prints_llama_cpps_lines() -> None:
     result = _run(LOAD_LLAMA.format(verbose=True))
     assert WARNING_TEXT in result.stderr
     assert "llama_model_loader" in result.stderr  # its info lines too, as llama-cpp-python prints them
+
+
+BAD_DECODE = (
+    "import llama_cpp, llama_cache\n"
+    "llm = llama_cache.Llama(str(llama_cache.default_model_path()), n_ctx=256, n_threads=1, verbose=False)\n"
+    "tokens = (llama_cpp.llama_token * 1)(10**8)\n"
+    "print(llama_cpp.llama_decode(llm._ctx.ctx, llama_cpp.llama_batch_get_one(tokens, 1)))\n"
+    "llm.close()\n"
+)
+
+
+def test_llama_cpp_errors_of_a_quiet_library_are_logged_not_printed() -> None:
+    # A token outside the vocabulary: llama.cpp refuses the decode and logs errors about it.
+    quiet = _run(BAD_DECODE)
+    assert (quiet.stdout, quiet.stderr) == ("-1\n", "")
+    configured = _run("import logging, sys\n"
+                      "logging.basicConfig(stream=sys.stdout, level=logging.ERROR, format='%(name)s|%(levelname)s|%(message)s')\n"
+                      + BAD_DECODE)
+    assert "llama_cache.llama_cpp|ERROR|init: invalid token[0] = 100000000" in configured.stdout.splitlines()
+    assert configured.stderr == ""
+
