@@ -3,8 +3,11 @@ idle sequence back to a head of its history, and the answers are those of a fres
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
+import llama_cpp
 import pytest
 
 from llama_cache import Engine
@@ -67,13 +70,29 @@ def test_a_sequence_taken_back_leaves_its_history_in_a_free_sequence(tiny_model_
 
 def test_a_busy_sequence_is_never_taken_back(tiny_model_paths: dict[str, Path]) -> None:
     path = tiny_model_paths["mamba"]
+    long_question = QUESTIONS[1]
+    with Engine(path, n_ctx=1024, parallel=1, idle_sequences=0) as fresh:
+        expected_long = fresh.submit(SYSTEM + long_question, max_tokens=32, temperature=0).result()["choices"][0]["text"]
     expected = _fresh(path, QUESTIONS[0])
-    # No idle sequence to spare: the repeat's sequence is the only one, and it is taken back only once
-    # its generation has ended; two requests together both get the fresh answer.
     with Engine(path, n_ctx=1024, parallel=2, idle_sequences=0, checkpoint_interval=INTERVAL) as engine:
-        requests = [engine.submit(SYSTEM + QUESTIONS[0], max_tokens=8, temperature=0) for _ in range(2)]
-        assert [r.result()["choices"][0]["text"] for r in requests] == [expected, expected]
-        assert _ask(engine, QUESTIONS[0])[0] == expected
+        assert _ask(engine, QUESTIONS[0])[0] == expected  # sequence A: idle, with checkpoints in the shared head
+        # The long answer takes A back to the shared head (A's history copied to the other sequence)
+        # and generates for 32 steps (held at its first token until the repeat is sent); the repeat could go back to A's checkpoints
+        # only by breaking the running answer: it evicts the copy and evaluates its prompt.
+        submitted = threading.Event()
+
+        def hold(input_ids: Any, scores: Any) -> Any:  # the running answer waits for the repeat's submission
+            submitted.wait(30)
+            return scores
+
+        running = engine.submit(SYSTEM + long_question, max_tokens=32, temperature=0,
+                                logits_processor=llama_cpp.LogitsProcessorList([hold]))
+        repeat = engine.submit(SYSTEM + QUESTIONS[0], max_tokens=8, temperature=0)
+        submitted.set()
+        assert running.result()["choices"][0]["text"] == expected_long
+        assert running.cached_tokens > 0
+        assert repeat.result()["choices"][0]["text"] == expected
+        assert repeat.cached_tokens == 0
 
 
 def test_transformer_engines_keep_no_checkpoints_and_the_interval_is_checked(tiny_model_paths: dict[str, Path]) -> None:
