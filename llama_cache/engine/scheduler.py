@@ -128,8 +128,10 @@ class SchedulerStats:
     tokens: int = 0
     """Tokens evaluated (prompt rows and generated tokens' rows)."""
     decode_seconds: float = 0.0
+    """Time in ``llama_decode`` alone."""
     step_seconds: float = 0.0
-    """Whole steps, decode included: ``step_seconds - decode_seconds`` is the Python around it."""
+    """Whole steps, decode included: ``step_seconds - decode_seconds`` is the Python around it
+    (admission, filling the batch, sampling, text and streaming)."""
     evicted: int = 0
     preempted: int = 0
     shared_tokens: int = 0
@@ -269,7 +271,6 @@ class Scheduler:
             if not plan:
                 return False
             rows = plan[-1][1] + plan[-1][2]
-            decode_started = time.perf_counter()
             try:
                 self._decode(plan)
             except NoCells:
@@ -288,8 +289,6 @@ class Scheduler:
                     if generation in self._running:
                         self._finish(generation, "error", error)
                 return True
-            finally:
-                self.stats.decode_seconds += time.perf_counter() - decode_started
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - started
             return True
@@ -593,7 +592,7 @@ class Scheduler:
         if not self.deterministic:
             for generation, row, count in plan:
                 self._fill(generation, row, count)
-            self.context.decode(plan[-1][1] + plan[-1][2])
+            self._timed_decode(plan[-1][1] + plan[-1][2])
             self._advance(plan)
             return
         context = self.context
@@ -608,10 +607,17 @@ class Scheduler:
                 context.sequences[1] = resident.seq
                 context.wants_logits[1] = 0
                 rows = 2
-            context.decode(rows)
+            self._timed_decode(rows)
             if rows > count and not context.cut(resident.seq, resident.n + count):
                 raise DecodeFailed("a deterministic decode's extra row could not be cut")
             self._advance([(generation, 0, count)])
+
+    def _timed_decode(self, rows: int) -> None:
+        started = time.perf_counter()
+        try:
+            self.context.decode(rows)
+        finally:
+            self.stats.decode_seconds += time.perf_counter() - started
 
     def _fill(self, generation: Generation, row: int, count: int) -> None:
         context = self.context
