@@ -102,3 +102,16 @@ def test_each_sequence_has_a_stream_of_its_own_with_a_cell_to_spare() -> None:
 def test_deterministic_mode_needs_a_transformer_model(tiny_model_paths: dict[str, Path]) -> None:
     with pytest.raises(ValueError, match="deterministic mode needs a transformer model"):
         Engine(tiny_model_paths["mamba"], n_ctx=256, parallel=1, deterministic=True)
+
+
+def test_deterministic_mode_needs_flash_attention() -> None:
+    import llama_cpp
+
+    with Engine(n_ctx=512, parallel=1, flash_attn=False) as engine:
+        assert engine.flash_attn is False
+        assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+    with Engine(n_ctx=512, parallel=1, deterministic=True) as engine:
+        assert engine.flash_attn is True
+        assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    with pytest.raises(ValueError, match="deterministic mode needs flash attention"):
+        Engine(n_ctx=512, parallel=1, deterministic=True, flash_attn=False)

@@ -625,6 +625,8 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
     # llama-server's defaults: a thread per physical core for prompts and generation alike, flash attention.
     assert (options["n_threads"], options["n_threads_batch"]) == (physical_cores(), physical_cores())
     assert options["flash_attn"] is True and default.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 8 << 20
+    with pytest.raises(ValueError, match="deterministic mode needs flash attention"):
+        config_from_args(parser.parse_args(["serve", "--deterministic", "--flash-attn", "off"]), {})
     for argv, environ in ((["serve", "--threads", "3"], {}), (["serve", "--n-threads", "3"], {}),
                           (["serve"], {"LLAMA_CACHE_THREADS": "3"})):
         options = config_from_args(parser.parse_args(argv), environ).context_options()
@@ -634,6 +636,8 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
     assert config_from_args(parser.parse_args(["serve"]), {"LLAMA_CACHE_FLASH_ATTN": "off"}).flash_attn is False
     with pytest.raises(ValueError, match="LLAMA_CACHE_FLASH_ATTN"):
         config_from_args(parser.parse_args(["serve"]), {"LLAMA_CACHE_FLASH_ATTN": "maybe"})
+    with pytest.raises(SystemExit):  # argparse: "invalid on_off value"
+        parser.parse_args(["serve", "--flash-attn", "maybe"])
     with pytest.raises(ValueError, match="max_body_bytes"):
         config_from_args(parser.parse_args(["serve", "--max-body-bytes", "0"]), {})
 

@@ -32,7 +32,7 @@ from llama_cache.checkpoints import notify_memory_cleared, notify_seq_changed, n
 from llama_cache.engine.model import Model
 from llama_cache.state.kv_layout import prefaulted
 
-__all__ = ["BatchContext", "ContextSettings", "DecodeFailed", "NoCells"]
+__all__ = ["BatchContext", "ContextSettings", "DecodeFailed", "NoCells", "flash_attention_for"]
 
 
 class NoCells(Exception):
@@ -41,6 +41,21 @@ class NoCells(Exception):
 
 class DecodeFailed(RuntimeError):
     """``llama_decode`` failed for another reason than full memory (its return code in the message)."""
+
+
+def flash_attention_for(requested: bool, deterministic: bool) -> bool:
+    """Whether the engine's context runs llama.cpp's flash attention: ``requested``, checked.
+
+    Deterministic mode rests on the flash-attention path that visits a sequence's cells in order and
+    skips the others exactly (see :mod:`.scheduler`), so it needs it on. Off is faster for batched
+    decodes on the CPU (docs/engine.md, "Flash attention").
+
+    Raises:
+        ValueError: deterministic mode with flash attention off.
+    """
+    if deterministic and not requested:
+        raise ValueError("deterministic mode needs flash attention (its sums depend on the sequence alone there)")
+    return requested
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ import numpy.typing as npt
 from llama_cache._model import default_model_path
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.engine.completions import Completions
-from llama_cache.engine.context import BatchContext, ContextSettings
+from llama_cache.engine.context import BatchContext, ContextSettings, flash_attention_for
 from llama_cache.engine.model import Model
 from llama_cache.engine.requests import EngineRequest
 from llama_cache.engine.residency import Residency
@@ -72,7 +72,8 @@ class Engine:
             ``n_seq_max``, at most llama.cpp's limit.
         n_threads: llama.cpp's threads (None: one per CPU the process may use).
         n_batch: the most tokens one decode evaluates.
-        flash_attn: llama.cpp's flash attention.
+        flash_attn: llama.cpp's flash attention (on in deterministic mode; off decodes batches faster
+            on the CPU: docs/engine.md).
         cache: the cache tiers (None: none; idle sequences are the only reuse).
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).
@@ -121,14 +122,17 @@ class Engine:
             if deterministic and self.model.recurrent:
                 raise ValueError(f"deterministic mode needs a transformer model; {path.name} has recurrent memory")
             threads = n_threads or len(os.sched_getaffinity(0))
+            flash = flash_attention_for(flash_attn, deterministic)
             self.context = BatchContext(self.model, ContextSettings(
-                n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_threads=threads, flash_attn=flash_attn,
+                n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_threads=threads, flash_attn=flash,
                 kv_unified=not deterministic))
         except BaseException:
             self.model.close()
             raise
         self.parallel = parallel
         self.deterministic = deterministic
+        self.flash_attn = flash
+        """Whether llama.cpp's flash attention is on."""
         self.n_ctx = self.context.n_ctx_seq - 1 if deterministic else self.context.n_ctx
         """The most tokens one request may hold (its prompt and answer): the pool, or in
         deterministic mode its sequence's stream but the spare cell."""

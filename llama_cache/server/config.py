@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from llama_cache.caches.redis_tier import redact_url
+from llama_cache.engine.context import flash_attention_for
 
 __all__ = ["ServerConfig", "add_serve_command", "comma_list", "config_from_args", "on_off", "physical_cores"]
 
@@ -114,7 +115,8 @@ class ServerConfig:
             stream's last chunk goes out, so the next turn finds it on any instance (off: written behind,
             the last chunk at once).
         flash_attn: llama.cpp's flash attention (``llama-server``'s ``auto`` enables it wherever the
-            backend supports it, the CPU included).
+            backend supports it, the CPU included); needed by ``deterministic``. Off decodes batches
+            faster on the CPU (docs/engine.md, "Flash attention").
         max_body_bytes: the largest request body accepted; a larger one is answered 413.
         max_messages: the most messages one chat request may hold; more are answered 400
             (``limit_exceeded``). The other limits on a request are in :mod:`.limits`.
@@ -204,6 +206,7 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must not be negative, got {self.shutdown_timeout}")
         if self.n_threads is not None and self.n_threads < 1:
             raise ValueError(f"n_threads must be positive, got {self.n_threads}")
+        flash_attention_for(self.flash_attn, self.deterministic)
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_messages < 1:
@@ -257,7 +260,7 @@ class ServerConfig:
         """The keyword arguments of each context's ``Llama`` besides the model: size, threads, batch."""
         threads = self.n_threads or physical_cores()
         return {"n_ctx": self.n_ctx, "n_threads": threads, "n_threads_batch": threads, "n_batch": N_BATCH,
-                "n_ubatch": N_BATCH, "flash_attn": self.flash_attn}
+                "n_ubatch": N_BATCH, "flash_attn": flash_attention_for(self.flash_attn, self.deterministic)}
 
 
 # option name -> (environment variable, type, help)
@@ -282,7 +285,9 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "n_threads": ("LLAMA_CACHE_THREADS", int,
                   "llama.cpp threads, for prompts and generation (default: one per physical core, "
                   "as llama-server)"),
-    "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", on_off, "llama.cpp's flash attention, on or off (default on)"),
+    "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", on_off,
+                   "llama.cpp's flash attention, on or off (default on, as llama-server; off decodes batches "
+                   "faster on the CPU; --deterministic needs it on)"),
     "redis_write_through": ("LLAMA_CACHE_REDIS_WRITE_THROUGH", on_off,
                             "with --redis: store a completion's state in Redis before its last chunk, on or off "
                             "(default on: the next turn finds it on any instance)"),
