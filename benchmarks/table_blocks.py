@@ -788,16 +788,19 @@ def responses_agent(results: Results) -> str:
 
 # Serving: the engine against llama-server and the batched example server (benchmarks/serve_engine.py) -
 
-ENGINE_SERVERS = {"llama-cache": "llama-cache", "llama-server": "llama-server", "example-server": "example server"}
+ENGINE_SERVERS = {"llama-cache": "llama-cache", "llama-server": "llama-server", "example-server": "example server",
+                  "llama-server+fa": "llama-server, flash attention on", "example-server+fa": "example server, flash attention on"}
 ENGINE_TARGETS = {
-    "throughput_vs_llama_server": "generated tokens/s, ours / llama-server's (8 clients x 2 turns x 256 tokens)",
-    "throughput_vs_example_server": "generated tokens/s, ours / the example server's",
+    "throughput_vs_llama_server": "generated tokens/s, ours / llama-server's at its better flash-attention setting "
+                                  "(8 clients x 2 turns x 256 tokens)",
+    "throughput_vs_example_server": "generated tokens/s, ours / the example server's at its better setting",
     "first_ttft_vs_example_server": "first turn's time to first token p50, ours / the example server's",
     "burst_evaluated_per_system_token": "8 requests sent together on one system prompt: prompt tokens evaluated "
                                         "per system-prompt token",
     "burst_cells_per_unique_token": "after them, KV cells in use per unique token held",
     "burst_peak_rss_vs_llama_server": "peak RSS in that run, ours / llama-server's (same pool, same --cache-ram)",
-    "step_vs_batched_bench": "the engine's step with 8 sequences decoding / llama-batched-bench's",
+    "step_vs_batched_bench": "the engine's step with 8 sequences decoding / llama-batched-bench's, the faster of its "
+                             "two KV layouts",
 }
 
 
@@ -805,9 +808,10 @@ ENGINE_TARGETS = {
 def serve_engine(results: Results) -> str:
     run = results["serve_engine"]
     summary, settings = run["summary"], run["settings"]
-    names = [n for n in ENGINE_SERVERS if n in summary.get("decode", {})]
     decode = summary.get("decode", {})
     burst = summary.get("burst", {})
+    names = [n for n in ENGINE_SERVERS if n in decode]
+    burst_names = [n for n in ENGINE_SERVERS if n in burst]
 
     def cell(scenario: dict[str, Any], name: str, key: str, unit: Any = num, suffix: str = "") -> str:
         return spread(scenario.get(name, {}).get(key), unit, suffix)
@@ -821,35 +825,42 @@ def serve_engine(results: Results) -> str:
         ["peak RSS", *(cell(decode, n, "peak_rss", lambda v: num(v / 1e6)) + " MB" for n in names)],
     ]
     burst_rows = [
-        ["time to first token p50", *(cell(burst, n, "ttft_p50", num, " s") for n in names)],
-        ["peak RSS", *(cell(burst, n, "peak_rss", lambda v: num(v / 1e6)) + " MB" for n in names)],
+        ["time to first token p50", *(cell(burst, n, "ttft_p50", num, " s") for n in burst_names)],
+        ["peak RSS", *(cell(burst, n, "peak_rss", lambda v: num(v / 1e6)) + " MB" for n in burst_names)],
     ]
+    flash = "flash attention " + ("on" if settings.get("flash_attn", True) else "off")
+    if any(n.endswith("+fa") for n in names):
+        flash += " (the columns marked flash attention on: on)"
     parts = [
         f"{settings['clients']} clients x {settings['turns']} turns x {settings['max_tokens']} tokens, streamed at "
         f"temperature 0 on one ~{num(settings['system_tokens'])}-token system prompt; every server `--parallel "
         f"{settings['parallel']}`, {num(settings['n_ctx_per_sequence'])} tokens of KV per sequence in one pool, "
-        f"{settings['threads']} threads, flash attention, batch {settings['n_batch']}; {settings['rounds']} rounds, "
+        f"{settings['threads']} threads, {flash}, batch "
+        f"{settings['n_batch']}; {settings['rounds']} rounds, "
         "order rotated; median (min-max):",
         table(["", *(ENGINE_SERVERS[n] for n in names)], rows),
         f"{settings['clients']} requests sent together on one ~{num(settings['burst_tokens'])}-token system prompt, "
         "32 tokens each:",
-        table(["", *(ENGINE_SERVERS[n] for n in names)], burst_rows),
+        table(["", *(ENGINE_SERVERS[n] for n in burst_names)], burst_rows),
     ]
     ours = summary.get("burst_llama_cache")
     if ours:
         parts.append(f"Ours evaluated {num(ours['evaluated_per_system_token'], 2)} prompt tokens per system-prompt token "
                      f"({num(ours['system_tokens'])} tokens) and then held "
                      f"{ratio(ours['cells_per_unique_token'], 3)} as many KV cells as unique tokens.")
-    step, bench = run.get("engine_step"), run.get("batched_bench")
+    step = run.get("engine_step")
     if step:
         line = (f"The engine's step with {step['sequences']} sequences decoding: {num(step['step_s'] * 1000, 1)} ms, of "
                 f"which {num(step['decode_s'] * 1000, 1)} ms in `llama_decode` and {num(step['python_s'] * 1000, 2)} ms "
                 f"of Python around it ({num(step['tokens_per_s'], 1)} tokens/s)")
-        eight = (bench or {}).get("steps", {}).get("8")
-        if eight:
-            one = bench["steps"].get("1", {})
-            line += (f"; `llama-batched-bench` on the same batch: {num(eight['step_s'] * 1000, 1)} ms a step "
-                     f"({num(eight['tokens_per_s'], 1)} tokens/s; one sequence: {num(one.get('tokens_per_s'), 1)})")
+        for key, layout in (("batched_bench", "a KV stream per sequence"), ("batched_bench_unified", "unified KV")):
+            steps = (run.get(key) or {}).get("steps", {})
+            eight = steps.get("8")
+            if eight:
+                one = steps.get("1", {})
+                line += (f"; `llama-batched-bench` on the same batch, {layout}: {num(eight['step_s'] * 1000, 1)} ms "
+                         f"a step ({num(eight['tokens_per_s'], 1)} tokens/s; one sequence: "
+                         f"{num(one.get('tokens_per_s'), 1)})")
         parts.append(line + ".")
     deterministic = run.get("engine_step_deterministic")
     if deterministic and step:
