@@ -13,15 +13,17 @@ JSON config (``model.path``, ``n_ctx``, ``n_seq_max``, ``n_batch``, ``n_ubatch``
 Every server gets the default model, ``--threads`` (2), ``--parallel`` sequences (as many as the
 clients), ``--n-ctx`` tokens per sequence (4,096) as one pool (llama-server's ``-c`` is that times the
 slots; ours ``--n-ctx`` the same, the example server's ``n_ctx`` too), the same flash attention
-(``--flash-attn``, default on, as llama-server's ``auto`` on the CPU; see below), batch 512. The
+(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks here, off on the CPU; see
+below), batch 512. The
 two caching servers get the same host-memory prompt cache budget (``--cache-ram``: llama-server's in
 MiB, ours in bytes). A fresh server per run; the servers run one after another in an order rotated
 each round (``--rounds``, default 3), and the table shows medians with their spread.
 
 Flash attention: llama.cpp's CPU flash attention walks the KV cells once per query row, where its
 matrix-product attention reads a shared head's cells once for every sequence in the batch, so
-``--flash-attn off`` decodes batches faster. So that no anchor is then measured off its own default,
-a run with ``--flash-attn off`` also runs llama-server and the example server with it on in the
+``--flash-attn off`` decodes batches faster (``llama-cache serve`` has it off on the CPU by default,
+``llama-server``'s ``auto`` on). So that no anchor is then measured off its own default, a run with
+``--flash-attn off`` also runs llama-server and the example server with it on in the
 decode scenario (the sides ``llama-server+fa`` and ``example-server+fa``), and the throughput
 verdicts take each anchor's better side.
 
@@ -92,6 +94,7 @@ from benchmarks.servers import (  # noqa: E402
 )
 from benchmarks.sse import read_stream  # noqa: E402
 from llama_cache import Engine, default_model_path  # noqa: E402
+from llama_cache.engine.context import flash_attention_for  # noqa: E402
 from llama_cache.engine.sequences import LogitBias  # noqa: E402
 from llama_cache.native_log import route_llama_cpp_logs  # noqa: E402
 from llama_cache.server.config import on_off  # noqa: E402
@@ -330,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-tokens", type=int, default=1500)
     parser.add_argument("--n-ctx", type=int, default=4096, help="tokens per sequence (the pool is that x clients)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--flash-attn", type=on_off, default=True,
-                        help="on or off, for every server (default on; off adds the anchors' sides with it on)")
+    parser.add_argument("--flash-attn", type=on_off, default=flash_attention_for(None, False),
+                        help="on or off, for every server (default: llama-cache serve's auto here; off adds the "
+                        "anchors' sides with it on)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_engine.json")
     args = parser.parse_args(argv)
     model = default_model_path()

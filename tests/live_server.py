@@ -51,6 +51,7 @@ class LiveServer:
     def __init__(self, config: ServerConfig, shutdown_timeout: float = 5.0, tls: ssl.SSLContext | None = None,
                  tls_shutdown_timeout: float = TLS_SHUTDOWN_TIMEOUT) -> None:
         self.port = free_port()
+        self.config = config
         self._clients: list[openai.OpenAI] = []
         self.service = load_service(config)
         self.app = create_app(self.service, config)

@@ -624,9 +624,21 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
     options = default.context_options()
     # llama-server's defaults: a thread per physical core for prompts and generation alike, flash attention.
     assert (options["n_threads"], options["n_threads_batch"]) == (physical_cores(), physical_cores())
-    assert options["flash_attn"] is True and default.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 8 << 20
+    # Flash attention auto: off on a CPU build (faster batched decodes), on with --deterministic or a GPU.
+    import llama_cpp
+
+    assert default.flash_attn is None and default.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 8 << 20
+    assert options["flash_attn"] is bool(llama_cpp.llama_supports_gpu_offload())
+    assert config_from_args(parser.parse_args(["serve", "--deterministic"]), {}).context_options()["flash_attn"] is True
     with pytest.raises(ValueError, match="deterministic mode needs flash attention"):
         config_from_args(parser.parse_args(["serve", "--deterministic", "--flash-attn", "off"]), {})
+    for argv, environ, expected in ((["serve", "--flash-attn", "on"], {}, True),
+                                    (["serve", "--flash-attn", "auto"], {"LLAMA_CACHE_FLASH_ATTN": "on"}, None),
+                                    (["serve"], {"LLAMA_CACHE_FLASH_ATTN": "AUTO"}, None),
+                                    (["serve"], {"LLAMA_CACHE_FLASH_ATTN": "on"}, True)):
+        assert config_from_args(parser.parse_args(argv), environ).flash_attn is expected
+    with pytest.raises(ValueError, match="flash_attn must be True, False or None"):
+        ServerConfig(flash_attn="auto")  # type: ignore[arg-type]
     for argv, environ in ((["serve", "--threads", "3"], {}), (["serve", "--n-threads", "3"], {}),
                           (["serve"], {"LLAMA_CACHE_THREADS": "3"})):
         options = config_from_args(parser.parse_args(argv), environ).context_options()
@@ -634,7 +646,7 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
     config = config_from_args(parser.parse_args(["serve", "--flash-attn", "off", "--max-body-bytes", "1024"]), {})
     assert (config.flash_attn, config.max_body_bytes) == (False, 1024)
     assert config_from_args(parser.parse_args(["serve"]), {"LLAMA_CACHE_FLASH_ATTN": "off"}).flash_attn is False
-    with pytest.raises(ValueError, match="LLAMA_CACHE_FLASH_ATTN"):
+    with pytest.raises(ValueError, match="LLAMA_CACHE_FLASH_ATTN must be auto, on or off"):
         config_from_args(parser.parse_args(["serve"]), {"LLAMA_CACHE_FLASH_ATTN": "maybe"})
     with pytest.raises(SystemExit):  # argparse: "invalid on_off value"
         parser.parse_args(["serve", "--flash-attn", "maybe"])
@@ -648,7 +660,10 @@ def test_the_context_runs_with_the_configured_threads_flash_attention_and_a_unif
     params = server.service.engine.context.params
     assert (params.n_threads, params.n_threads_batch) == (physical_cores(), physical_cores())
     assert (params.n_batch, params.n_ubatch) == (512, 512)
-    assert params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    on = bool(llama_cpp.llama_supports_gpu_offload())  # auto: off on a CPU build (faster batched decodes)
+    assert server.service.engine.flash_attn is on
+    assert params.flash_attn_type == (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if on else
+                                      llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     assert params.kv_unified and params.n_ctx == N_CTX and params.n_seq_max >= 2
 
 

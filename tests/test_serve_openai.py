@@ -257,10 +257,12 @@ def test_n_choices_share_one_prompt_evaluation_and_equal_single_requests_with_th
 
 @pytest.fixture
 def fresh() -> Iterator[LiveServer]:
-    """A server of its own: requests compared with each other find their cells in position order (in a
-    server whose earlier sequences were freed, a sequence's cells may land out of order, and llama.cpp's
-    attention sums them in cell order: the logits then differ in their last bits, as under load)."""
-    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16))
+    """A server of its own, with flash attention: requests compared with each other find their cells in
+    position order (in a server whose earlier sequences were freed, a sequence's cells may land out of
+    order, and llama.cpp's flash attention sums them in cell order: the logits then differ in their last
+    bits, as under load), and the sums over them do not depend on other sequences' cells (without flash
+    attention, the CPU's matrix products group them by where they lie in the pool)."""
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16, flash_attn=True))
     yield live
     live.stop()
 
@@ -315,15 +317,15 @@ def test_greedy_chat_log_probabilities_are_sorted_and_the_sampled_token_is_the_l
         assert bytes(entry.bytes or []).decode("utf-8") == entry.token
 
 
-def test_completion_log_probabilities_equal_a_direct_computation_from_the_logits(server: LiveServer) -> None:
+def test_completion_log_probabilities_equal_a_direct_computation_from_the_logits(fresh: LiveServer) -> None:
     prompt = "The three primary colours are"
-    reply = server.client().completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    reply = fresh.client().completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
     logprobs = reply.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs and logprobs.top_logprobs
     assert "".join(logprobs.tokens) == reply.choices[0].text
     assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
     llama = Llama(model_path=str(default_model_path()), n_ctx=N_CTX, verbose=False,
-                  **{k: v for k, v in ServerConfig(n_ctx=N_CTX).context_options().items() if k != "n_ctx"})
+                  **{k: v for k, v in fresh.config.context_options().items() if k != "n_ctx"})
     try:
         tokens = llama.tokenize(prompt.encode(), special=True)
         llama.eval(tokens)

@@ -43,16 +43,21 @@ class DecodeFailed(RuntimeError):
     """``llama_decode`` failed for another reason than full memory (its return code in the message)."""
 
 
-def flash_attention_for(requested: bool, deterministic: bool) -> bool:
-    """Whether the engine's context runs llama.cpp's flash attention: ``requested``, checked.
+def flash_attention_for(requested: bool | None, deterministic: bool) -> bool:
+    """Whether the engine's context runs llama.cpp's flash attention: ``requested``, or for None
+    (auto) on in deterministic mode and where this llama.cpp build offloads to a GPU, off on the
+    CPU, where the plain path decodes batches faster (docs/engine.md, "Flash attention").
 
     Deterministic mode rests on the flash-attention path that visits a sequence's cells in order and
-    skips the others exactly (see :mod:`.scheduler`), so it needs it on. Off is faster for batched
-    decodes on the CPU (docs/engine.md, "Flash attention").
+    skips the others exactly (see :mod:`.scheduler`), so it needs it on.
 
     Raises:
-        ValueError: deterministic mode with flash attention off.
+        ValueError: deterministic mode with flash attention off, or ``requested`` is not a bool or None.
     """
+    if requested is not None and not isinstance(requested, bool):
+        raise ValueError(f"flash_attn must be True, False or None (auto), got {requested!r}")
+    if requested is None:
+        return deterministic or bool(llama_cpp.llama_supports_gpu_offload())
     if deterministic and not requested:
         raise ValueError("deterministic mode needs flash attention (its sums depend on the sequence alone there)")
     return requested

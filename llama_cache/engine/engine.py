@@ -72,8 +72,9 @@ class Engine:
             ``n_seq_max``, at most llama.cpp's limit.
         n_threads: llama.cpp's threads (None: one per CPU the process may use).
         n_batch: the most tokens one decode evaluates.
-        flash_attn: llama.cpp's flash attention (on in deterministic mode; off decodes batches faster
-            on the CPU: docs/engine.md).
+        flash_attn: llama.cpp's flash attention; None (auto): on in deterministic mode and on a GPU
+            build, off on the CPU, where it decodes batches faster (docs/engine.md). Off, a
+            sequence's logits depend slightly on where its cells lie and what is decoded beside it.
         cache: the cache tiers (None: none; idle sequences are the only reuse).
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).
@@ -98,7 +99,7 @@ class Engine:
 
     def __init__(self, model_path: str | os.PathLike[str] | None = None, *, n_ctx: int = 4096, parallel: int = 4,
                  idle_sequences: int | None = None, n_threads: int | None = None, n_batch: int = 512,
-                 flash_attn: bool = True, cache: BaseLlamaCache | None = None, store_finished: bool = False,
+                 flash_attn: bool | None = None, cache: BaseLlamaCache | None = None, store_finished: bool = False,
                  chat_template: str | None = None, prefill_while_generating: int = 128,
                  deterministic: bool = False, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
                  checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES) -> None:

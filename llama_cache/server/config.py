@@ -22,7 +22,8 @@ from typing import Any
 from llama_cache.caches.redis_tier import redact_url
 from llama_cache.engine.context import flash_attention_for
 
-__all__ = ["ServerConfig", "add_serve_command", "comma_list", "config_from_args", "on_off", "physical_cores"]
+__all__ = ["ServerConfig", "add_serve_command", "auto_on_off", "comma_list", "config_from_args", "on_off",
+           "physical_cores"]
 
 DEFAULT_N_CTX = 4096
 DEFAULT_CACHE_RAM = 2 << 30
@@ -83,6 +84,21 @@ def on_off(text: str) -> bool:
     raise ValueError(f"expected on or off, got {text!r}")
 
 
+def auto_on_off(text: str) -> str | bool:
+    """``auto``, or :func:`on_off`'s ``on``/``off`` as a bool (``auto`` stays the string, so that an
+    option given as ``auto`` is told apart from one not given).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return on_off(text)
+    except ValueError:
+        raise ValueError(f"expected auto, on or off, got {text!r}") from None
+
+
 def comma_list(text: str) -> tuple[str, ...]:
     """``a, b,c`` as ``("a", "b", "c")``: items stripped, empty ones dropped."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
@@ -114,9 +130,9 @@ class ServerConfig:
         redis_write_through: with a Redis tier, a completion's state is stored in every tier before the
             stream's last chunk goes out, so the next turn finds it on any instance (off: written behind,
             the last chunk at once).
-        flash_attn: llama.cpp's flash attention (``llama-server``'s ``auto`` enables it wherever the
-            backend supports it, the CPU included); needed by ``deterministic``. Off decodes batches
-            faster on the CPU (docs/engine.md, "Flash attention").
+        flash_attn: llama.cpp's flash attention; None (auto): on with ``deterministic`` (which needs
+            it) and on a GPU build, off on the CPU, where it decodes batches faster (docs/engine.md,
+            "Flash attention"; ``llama-server``'s ``auto`` has it on wherever the backend supports it).
         max_body_bytes: the largest request body accepted; a larger one is answered 413.
         max_messages: the most messages one chat request may hold; more are answered 400
             (``limit_exceeded``). The other limits on a request are in :mod:`.limits`.
@@ -166,7 +182,7 @@ class ServerConfig:
     model_alias: str | None = None
     shutdown_timeout: float = 30.0
     n_threads: int | None = None
-    flash_attn: bool = True
+    flash_attn: bool | None = None
     deterministic: bool = False
     redis_write_through: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -285,9 +301,9 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
     "n_threads": ("LLAMA_CACHE_THREADS", int,
                   "llama.cpp threads, for prompts and generation (default: one per physical core, "
                   "as llama-server)"),
-    "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", on_off,
-                   "llama.cpp's flash attention, on or off (default on, as llama-server; off decodes batches "
-                   "faster on the CPU; --deterministic needs it on)"),
+    "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", auto_on_off,
+                   "llama.cpp's flash attention: auto, on or off (default auto: on with --deterministic, which "
+                   "needs it, and on a GPU build; off on the CPU, where it decodes batches faster)"),
     "redis_write_through": ("LLAMA_CACHE_REDIS_WRITE_THROUGH", on_off,
                             "with --redis: store a completion's state in Redis before its last chunk, on or off "
                             "(default on: the next turn finds it on any instance)"),
@@ -389,8 +405,10 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
             try:
                 value = parse(environ[env])
             except ValueError:
-                expected = "on or off" if parse is on_off else f"a {kind.__name__}"
+                expected = {on_off: "on or off", auto_on_off: "auto, on or off"}.get(parse, f"a {kind.__name__}")
                 raise ValueError(f"${env} must be {expected}, got {environ[env]!r}") from None
+        if value == "auto" and kind is auto_on_off:
+            continue  # the default
         if value is not None:
             values[name] = value
     values["api_keys"] = _api_keys(args, environ)
