@@ -78,6 +78,37 @@ def test_sequences_decoded_together_each_get_their_own_tokens() -> None:
         assert engine.scheduler.stats.steps < 4 * 12  # decoded together, not one sequence at a time
 
 
+def test_a_short_prompt_is_read_before_a_long_one_admitted_with_it() -> None:
+    # Shortest remaining prompt first: a later turn's few new tokens do not wait behind a long first
+    # prompt read 16 rows a step beside a generating sequence (oldest first, they would wait ~40 steps).
+    entered, released = threading.Event(), threading.Event()
+    first_sampled: list[str] = []
+
+    def hold(input_ids: object, scores: object) -> object:  # stops the step loop until both are queued
+        entered.set()
+        released.wait(30)
+        return scores
+
+    def marks(name: str) -> list[object]:
+        def mark(input_ids: object, scores: object) -> object:
+            if name not in first_sampled:
+                first_sampled.append(name)
+            return scores
+        return [mark]
+
+    with Engine(n_ctx=2048, parallel=3, prefill_while_generating=16) as engine:
+        running = engine.submit("Tell me a story about a dog.", max_tokens=48, temperature=0,
+                                logits_processor=[hold])
+        assert entered.wait(60)
+        long = engine.submit("Summarise: " + "the river runs to the sea and " * 90, max_tokens=2,
+                             temperature=0, logits_processor=marks("long"))
+        short = engine.submit("Hi!", max_tokens=2, temperature=0, logits_processor=marks("short"))
+        released.set()
+        for request in (running, long, short):
+            request.result()
+        assert first_sampled == ["short", "long"]
+
+
 def test_an_evicted_sequence_goes_to_the_tiers_and_comes_back_from_them() -> None:
     cache = LlamaRAMCache(capacity_bytes=1 << 30)
     with Engine(n_ctx=512, parallel=1, idle_sequences=0, cache=cache) as engine:

@@ -79,14 +79,16 @@ def test_a_busy_sequence_is_never_taken_back(tiny_model_paths: dict[str, Path]) 
         # The long answer takes A back to the shared head (A's history copied to the other sequence)
         # and generates for 32 steps (held at its first token until the repeat is sent); the repeat could go back to A's checkpoints
         # only by breaking the running answer: it evicts the copy and evaluates its prompt.
-        submitted = threading.Event()
+        held, submitted = threading.Event(), threading.Event()
 
         def hold(input_ids: Any, scores: Any) -> Any:  # the running answer waits for the repeat's submission
+            held.set()
             submitted.wait(30)
             return scores
 
         running = engine.submit(SYSTEM + long_question, max_tokens=32, temperature=0,
                                 logits_processor=llama_cpp.LogitsProcessorList([hold]))
+        assert held.wait(60)  # admitted and at its first token: the repeat cannot be admitted with it
         repeat = engine.submit(SYSTEM + QUESTIONS[0], max_tokens=8, temperature=0)
         submitted.set()
         assert running.result()["choices"][0]["text"] == expected_long

@@ -10,7 +10,7 @@ Each step the :class:`Scheduler`
    (requests sent together on one system prompt) waits for that prefill and copies it, instead of
    reading it too;
 3. builds one batch: the next token of every generating sequence first, then prompt chunks of the
-   others, oldest first, at most ``n_batch`` rows, and at most :attr:`Scheduler.prefill_while_generating`
+   others, the shortest remaining prompt first, at most ``n_batch`` rows, and at most :attr:`Scheduler.prefill_while_generating`
    prompt rows while any sequence generates (a generating sequence's next token waits for one bounded
    chunk, however long the prompts being read); logits only for the rows that sample;
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
@@ -561,7 +561,11 @@ class Scheduler:
             budget = min(budget, self.prefill_while_generating)
         free = self._free_cells() - rows
         chunk = DETERMINISTIC_ROWS if self.deterministic else context.n_batch
-        for generation in [g for g in self._running if not g.generating]:
+        # Shortest remaining prompt first: a later turn's few new tokens are read in the next step
+        # instead of behind another request's long prompt (stable: oldest first among equals). At
+        # most ``parallel`` prompts compete, so a long one waits for a bounded number of short ones.
+        reading = sorted((g for g in self._running if not g.generating), key=lambda g: len(g.todo))
+        for generation in reading:
             take = min(len(generation.todo), budget, chunk)
             if take <= 0:
                 break
