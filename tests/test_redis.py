@@ -705,3 +705,32 @@ def test_a_write_through_store_in_flight_is_found_by_another_instance(fresh: Dep
     finally:
         gate.set()
         tiered.close()
+
+
+def test_a_store_landing_between_a_lookups_commands_is_waited_for_not_a_shorter_hit(
+        fresh: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llama_cache.caches import redis_tier
+
+    writer = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    reader = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    state = make_cut_state(range(40), 40 * 100)
+    real = redis_tier.pipelined
+    armed = [True]
+
+    def interleaved(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], **options: Any) -> list[Any]:
+        if armed and any(args[0] == "MGET" for _, args in commands):  # the reader's first lookup trip
+            armed.clear()
+            first = real(client, commands[:1], **options)
+            writer[range(40)] = state  # the store's script runs between two of the trip's commands
+            return first + real(client, commands[1:], **options)
+        return real(client, commands, **options)
+
+    try:
+        writer.announce(range(40))
+        monkeypatch.setattr(redis_tier, "pipelined", interleaved)
+        found = reader[[*range(40), 7]]
+        assert not armed and found.n_tokens == 40
+        assert np.array_equal(found.seq_bytes(), state.seq_bytes())
+    finally:
+        writer.close()
+        reader.close()

@@ -423,7 +423,10 @@ class LlamaRedisCache(BaseLlamaCache):
         query's remaining tokens (one field per remaining token); a second is needed only when the
         chain breaks earlier, to ask the same of the chunk where it breaks. The cost of each is the
         query's length, whatever the number of entries or of children. The first also reads the
-        in-flight markers (:meth:`announce`) of every chunk on the query's path, in one ``MGET``.
+        in-flight markers (:meth:`announce`) of every chunk on the query's path, in one ``MGET``,
+        before anything else: the namespace's keys live on one node, which runs a pipeline's commands
+        in order, so a store's script lands either after the markers were read (the lookup waits and
+        polls again) or before everything was read (a whole view, never a torn, shorter one).
         """
         if fingerprint is None or not len(query):
             return None, False
@@ -433,7 +436,11 @@ class LlamaRedisCache(BaseLlamaCache):
         blob = np.ascontiguousarray(query, dtype="<i4").tobytes()
 
         meta, entry = redis_keys.meta_key(fingerprint, "meta"), redis_keys.entry_key(fingerprint, query)
+        markers = [redis_keys.marker_key(fingerprint, prev) for prev in [b"", *ids]]
+        # The markers first (see the docstring): read last, they could be read after a store's
+        # script that the chunk reads before it missed, a shorter hit that does not wait.
         commands: list[tuple[Any, tuple[Any, ...]]] = [
+            (markers[0], ("MGET", *markers)),
             (meta, ("HMGET", meta, "layout", "chunk_tokens", "seed")), (entry, ("HMGET", entry, "head", "chain")),
         ]
         prev = b""
@@ -442,13 +449,10 @@ class LlamaRedisCache(BaseLlamaCache):
             commands.append((field, ("HGET", field, blob[4 * k * size : 4 * (k + 1) * size])))
             prev = ident
         commands += _ask_children(fingerprint, prev, blob[4 * len(ids) * (size or 0) :], size)
-        markers = [redis_keys.marker_key(fingerprint, prev) for prev in [b"", *ids]]
-        commands.append((markers[0], ("MGET", *markers)))
         reply = self._call("lookup", lambda: pipelined(self._client, commands))
         if reply is None:
             return None, False
-        meta, exact, *found = reply
-        in_flight = found.pop()
+        in_flight, meta, exact, *found = reply
         info = self._namespace_info(meta)
         if info is None:  # no namespace yet, though its first store may be in flight
             first = in_flight[0] if isinstance(in_flight, list) and in_flight else None
