@@ -502,11 +502,12 @@ def dedup_chunks(results: Results) -> str:
 # Serving: multi-user chat (benchmarks/serve.py) ---------------------------------------------------
 
 SERVE_LABELS = {"llama-cache": "llama-cache", "llama-cache-key": "llama-cache with `--api-key`",
-                "llama-server": "llama-server",
+                "llama-server": "llama-server", "llama-server+fa": "llama-server, flash attention on",
                 "llama-cpp-python": "llama-cpp-python (`cache: true`, equal settings, `logits_all` off)",
                 "llama-cpp-python-defaults": "llama-cpp-python (`cache: true`, its defaults)"}
 SERVE_TARGETS = {
-    "later_vs_llama_server": "later turns, ours / llama-server's",
+    "later_vs_llama_server": "later turns p50, ours / llama-server's",
+    "later_p95_vs_llama_server": "later turns p95, ours / llama-server's",
     "whole_vs_llama_server": "whole run, ours / llama-server's",
     "later_speedup_over_llama-cpp-python": "later turns, llama-cpp-python's (equal settings) / ours",
     "whole_speedup_over_llama-cpp-python": "whole run, llama-cpp-python's (equal settings) / ours",
