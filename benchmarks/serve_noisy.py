@@ -37,7 +37,8 @@ the rest of the text at each), and ``detokenize``, a context's worth of token id
 Every server gets the same requests; their status codes are counted per kind and server (a server that
 refuses one kind is recorded as such, not skipped). Servers: ``llama-cache serve`` and llama.cpp's
 ``llama-server`` (found as ``benchmarks/serve.py`` says; skipped with a message when absent), with the
-settings of ``benchmarks/serve.py`` (same context per request, slots, threads, batch, flash attention).
+settings of ``benchmarks/serve.py`` (same context per request, slots, threads, batch, flash attention:
+by default ``llama-cache serve``'s auto, off on the CPU).
 The order of the servers rotates from round to round; each round starts every server afresh.
 
 Targets, as ratios of the medians over rounds of each phase's p95 (time to first token and total):
@@ -92,6 +93,7 @@ from benchmarks.servers import (
 from benchmarks.sse import Stream
 from llama_cache import default_model_path
 from llama_cache.detokenizer import Detokenizer
+from llama_cache.engine.context import flash_attention_for
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, on_off, physical_cores
 
 SERVERS = ("llama-cache", "llama-server")
@@ -486,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="contexts/slots of every server (default: attackers + clients, a slot each: the "
                         "attack's compute is measured, not a wait for a free slot)")
     parser.add_argument("--threads", type=int, default=physical_cores())
-    parser.add_argument("--flash-attn", type=on_off, default=True)
+    parser.add_argument("--flash-attn", type=on_off, default=flash_attention_for(None, False),
+                        help="on or off, for every server (default: llama-cache serve's auto here, off on the CPU)")
     parser.add_argument("--with-api-key", action="store_true", help="both servers with --api-key; every request "
                         "(the attackers' too) carries it")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_noisy.json")
