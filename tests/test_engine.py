@@ -96,7 +96,7 @@ def test_a_short_prompt_is_read_before_a_long_one_admitted_with_it() -> None:
             return scores
         return [mark]
 
-    with Engine(n_ctx=2048, parallel=3, prefill_while_generating=16) as engine:
+    with Engine(n_ctx=2048, parallel=3, prompt_rows_per_step=16) as engine:
         running = engine.submit("Tell me a story about a dog.", max_tokens=48, temperature=0,
                                 logits_processor=[hold])
         assert entered.wait(60)

@@ -79,7 +79,8 @@ class Engine:
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).
         chat_template: a Jinja2 chat template instead of the model's.
-        prefill_while_generating: prompt tokens per step while sequences generate.
+        prompt_rows_per_step: the most prompt tokens one step evaluates (fewer while sequences generate,
+            so that their next tokens wait at most about one decode step longer: see the serving docs).
         checkpoint_interval: recurrent and hybrid models: prompt tokens between two checkpoints of
             a sequence's recurrent state, besides the one before a prompt's last token (see
             :mod:`.rollback`).
@@ -100,7 +101,7 @@ class Engine:
     def __init__(self, model_path: str | os.PathLike[str] | None = None, *, n_ctx: int = 4096, parallel: int = 4,
                  idle_sequences: int | None = None, n_threads: int | None = None, n_batch: int = 512,
                  flash_attn: bool | None = None, cache: BaseLlamaCache | None = None, store_finished: bool = False,
-                 chat_template: str | None = None, prefill_while_generating: int = 128,
+                 chat_template: str | None = None, prompt_rows_per_step: int = 128,
                  deterministic: bool = False, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
                  checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES) -> None:
         if parallel < 1:
@@ -150,7 +151,7 @@ class Engine:
                          if self.model.recurrent else None)
         """A recurrent or hybrid model's checkpoints per sequence (None for transformers)."""
         self.scheduler = Scheduler(self.context, self.residency, store=self.store if cache is not None else None,
-                                   max_running=n_seq, prefill_while_generating=prefill_while_generating,
+                                   max_running=n_seq, prompt_rows_per_step=prompt_rows_per_step,
                                    deterministic=deterministic, rollback=self.rollback)
         self._closed = False
 

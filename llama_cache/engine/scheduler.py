@@ -10,9 +10,11 @@ Each step the :class:`Scheduler`
    (requests sent together on one system prompt) waits for that prefill and copies it, instead of
    reading it too;
 3. builds one batch: the next token of every generating sequence first, then prompt chunks of the
-   others, the shortest remaining prompt first, at most ``n_batch`` rows, and at most :attr:`Scheduler.prefill_while_generating`
-   prompt rows while any sequence generates (a generating sequence's next token waits for one bounded
-   chunk, however long the prompts being read); logits only for the rows that sample;
+   others, the shortest remaining prompt first, at most ``n_batch`` rows and at most
+   ``prompt_rows_per_step`` prompt rows; while any sequence generates, only as many prompt rows as keep
+   the step within twice a decode-only step, measured (:class:`~.step_budget.StepBudget`: a generating
+   sequence's next token waits for one bounded chunk, however long the prompts being read and however
+   full the pool); logits only for the rows that sample;
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
    generation's ``on_token`` says whether it ends there.
 
@@ -51,6 +53,7 @@ from llama_cache.engine.context import BatchContext, DecodeFailed, NoCells
 from llama_cache.engine.residency import Resident, Residency, common_prefix
 from llama_cache.engine.rollback import Rollback
 from llama_cache.engine.sampling import Sampler
+from llama_cache.engine.step_budget import StepBudget
 from llama_cache.state.llama_state import LlamaState
 
 __all__ = ["DETERMINISTIC_ROWS", "MIN_SHARED_TOKENS", "Generation", "Scheduler", "SchedulerStats"]
@@ -150,7 +153,8 @@ class Scheduler:
         store: gives an evicted sequence's state to the cache tiers (never raises); None: evictions
             drop their state.
         max_running: generations running at once (the others wait); at most the sequence ids.
-        prefill_while_generating: prompt rows per step while a sequence generates.
+        prompt_rows_per_step: the most prompt rows a step carries (fewer while sequences generate:
+            see :class:`~.step_budget.StepBudget`).
         deterministic: each generation's rows in decodes of their own (see the module's docstring);
             the context must give each sequence a stream of its own, with a cell to spare beyond
             what any generation holds.
@@ -162,7 +166,7 @@ class Scheduler:
 
     def __init__(self, context: BatchContext, residency: Residency, *,
                  store: Callable[[LlamaState], None] | None = None, max_running: int | None = None,
-                 prefill_while_generating: int = 128, deterministic: bool = False,
+                 prompt_rows_per_step: int = 128, deterministic: bool = False,
                  rollback: Rollback | None = None) -> None:
         if deterministic and context.shares_cells:
             raise ValueError("deterministic mode needs a KV stream per sequence (kv_unified off)")
@@ -171,7 +175,7 @@ class Scheduler:
         self._store = store
         n_seq = len(residency.residents)
         self.max_running = min(max_running or n_seq, n_seq)
-        self.prefill_while_generating = max(1, min(prefill_while_generating, context.n_batch))
+        self.step_budget = StepBudget(max(1, min(prompt_rows_per_step, context.n_batch)))
         self.deterministic = deterministic
         self.rollback = rollback
         self.stats = SchedulerStats()
@@ -556,9 +560,7 @@ class Scheduler:
         for generation in decoding[: context.n_batch]:
             plan.append((generation, rows, 1))
             rows += 1
-        budget = context.n_batch - rows
-        if rows:
-            budget = min(budget, self.prefill_while_generating)
+        budget = min(context.n_batch - rows, self.step_budget.rows(rows))
         free = self._free_cells() - rows
         chunk = DETERMINISTIC_ROWS if self.deterministic else context.n_batch
         # Shortest remaining prompt first: a later turn's few new tokens are read in the next step
@@ -596,7 +598,9 @@ class Scheduler:
         if not self.deterministic:
             for generation, row, count in plan:
                 self._fill(generation, row, count)
-            self._timed_decode(plan[-1][1] + plan[-1][2])
+            decode_rows = sum(1 for generation, _, _ in plan if generation.generating)
+            rows = plan[-1][1] + plan[-1][2]
+            self.step_budget.observe(decode_rows, rows - decode_rows, self._timed_decode(rows))
             self._advance(plan)
             return
         context = self.context
@@ -616,12 +620,15 @@ class Scheduler:
                 raise DecodeFailed("a deterministic decode's extra row could not be cut")
             self._advance([(generation, 0, count)])
 
-    def _timed_decode(self, rows: int) -> None:
+    def _timed_decode(self, rows: int) -> float:
+        """Decode ``rows`` rows; the seconds it took."""
         started = time.perf_counter()
         try:
             self.context.decode(rows)
         finally:
-            self.stats.decode_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.stats.decode_seconds += seconds
+        return seconds
 
     def _fill(self, generation: Generation, row: int, count: int) -> None:
         context = self.context

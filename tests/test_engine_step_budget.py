@@ -1,0 +1,68 @@
+"""The prompt rows a step carries: bounded always, sized by measured time while sequences generate."""
+
+from __future__ import annotations
+
+import pytest
+
+from llama_cache import Engine
+from llama_cache.engine.step_budget import StepBudget
+
+
+def test_without_measurements_or_generating_sequences_a_step_reads_the_cap() -> None:
+    budget = StepBudget(128)
+    assert budget.rows(0) == 128
+    assert budget.rows(4) == 128  # nothing measured yet
+    budget.observe(4, 0, 0.05)
+    assert budget.rows(4) == 128  # a decode step, but no prompt row's cost yet
+    budget.observe(0, 100, 1.0)
+    assert budget.rows(0) == 128  # prompt-only steps are bounded by the cap alone
+
+
+def test_while_sequences_generate_prompt_rows_fit_one_more_decode_step() -> None:
+    budget = StepBudget(128, slack=1.0, floor=8, smoothing=1.0)
+    budget.observe(4, 0, 0.060)  # a decode step: 60 ms
+    budget.observe(4, 20, 0.200)  # 20 prompt rows added 140 ms: 7 ms a row
+    assert budget.decode_step == pytest.approx(0.060)
+    assert budget.prompt_row == pytest.approx(0.007)
+    assert budget.rows(4) == 8  # 60 ms / 7 ms
+    budget.observe(0, 128, 0.128)  # a cheap pool: 1 ms a row
+    assert budget.rows(4) == 60
+    budget.observe(4, 0, 0.500)  # a slow decode step leaves room for more, within the cap
+    assert budget.rows(4) == 128
+
+
+def test_prompts_advance_by_the_floor_however_costly_their_rows() -> None:
+    budget = StepBudget(64, floor=8, smoothing=1.0)
+    budget.observe(2, 0, 0.010)
+    budget.observe(2, 10, 5.0)
+    assert budget.rows(2) == 8
+    assert StepBudget(4, floor=8).floor == 4  # never above the cap
+
+
+def test_means_move_by_the_smoothing_weight() -> None:
+    budget = StepBudget(128, smoothing=0.5)
+    budget.observe(1, 0, 0.100)
+    budget.observe(1, 0, 0.200)
+    assert budget.decode_step == pytest.approx(0.150)
+    budget.observe(1, 0, 0.0)  # no time: ignored
+    budget.observe(0, 0, 1.0)  # no rows: ignored
+    assert budget.decode_step == pytest.approx(0.150)
+
+
+@pytest.mark.parametrize("kwargs", [{"cap": 0}, {"cap": 8, "slack": -1.0}, {"cap": 8, "smoothing": 0.0},
+                                    {"cap": 8, "smoothing": 1.5}])
+def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        StepBudget(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.model
+def test_a_long_prompt_alone_is_read_in_chunks_of_the_cap() -> None:
+    with Engine(n_ctx=1024, parallel=1, prompt_rows_per_step=64) as engine:
+        prompt = engine.model.tokenize(b"The river runs to the sea and the sea runs to the sky. " * 30)
+        assert 300 < len(prompt) < 900
+        before = engine.scheduler.stats.steps
+        engine.submit(prompt, max_tokens=1, temperature=0).result(timeout=120)
+        steps = engine.scheduler.stats.steps - before
+        assert steps >= -(-len(prompt) // 64)
+        assert engine.scheduler.step_budget.prompt_row is not None
