@@ -157,6 +157,24 @@ def test_hits_return_the_stored_bytes_cut_to_the_shared_prefix(fresh: Deployment
     assert cache.match_length([*range(37), 999]) == 37
 
 
+def test_a_state_found_stays_whole_while_later_lookups_reuse_the_reply_buffers(fresh: Deployment) -> None:
+    from llama_cache.caches.redis_transfer import REPLY_BUFFERS
+
+    cache = LlamaRedisCache(fresh.url, 10**9, fingerprint="test", chunk_tokens=64)
+    first = make_cut_state(range(3000), 3000 * 800, logits=True)
+    second = make_cut_state(range(1, 3001), 3000 * 800, logits=True)
+    cache[first.tokens] = first
+    cache[second.tokens] = second
+    reuses = REPLY_BUFFERS.reuses
+    held = cache[first.tokens]  # read into a recycled buffer (megabytes: pooled)
+    for _ in range(3):  # later lookups may not read into the buffer the held state lives in
+        assert np.array_equal(cache[second.tokens].seq_bytes(), second.seq_bytes())
+    assert np.array_equal(held.seq_bytes(), first.seq_bytes()) and np.array_equal(held.logits, first.logits)
+    del held
+    assert np.array_equal(cache[first.tokens].seq_bytes(), first.seq_bytes())
+    assert REPLY_BUFFERS.reuses > reuses  # the buffers were lent again, not mapped anew each time
+
+
 def test_a_shared_prefix_is_stored_once(fresh: Deployment) -> None:
     cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
     base = make_cut_state(range(64), 64 * 400)
