@@ -59,10 +59,10 @@ def test_an_idle_buffer_is_lent_again_with_what_it_held() -> None:
 def test_a_small_loan_does_not_take_a_much_larger_buffer() -> None:
     pool = RecyclingPool()
     pool.take(40 * MB)  # dropped at once: idle
-    small = pool.take(2 * MB)  # 40 MB > 1.5 x 2 MB + 1 MiB: a buffer of its own
+    small = pool.take(30 * MB)  # 40 MB > 1.125 x 30 MB + 64 KiB: a buffer of its own
     assert pool.allocations == 2 and pool.reuses == 0
     del small
-    assert pool.take(30 * MB) is not None and pool.reuses == 1  # 40 MB <= 1.5 x 30 MB + 1 MiB
+    assert pool.take(36 * MB) is not None and pool.reuses == 1  # 40 MB <= 1.125 x 36 MB
 
 
 def test_small_loans_are_plain_arrays_and_bad_sizes_are_refused() -> None:

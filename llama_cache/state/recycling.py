@@ -29,6 +29,7 @@ __all__ = ["RecyclingPool"]
 _PAGE = mmap.PAGESIZE
 _COUNTS_REFERENCES = sys.implementation.name == "cpython"
 _POOLED_FROM = 1 << 20  # smaller buffers: np.empty (the allocator's own free lists serve them)
+_SLACK = 64 << 10  # beyond an eighth, what an idle buffer may exceed a loan by
 
 
 class RecyclingPool:
@@ -39,8 +40,9 @@ class RecyclingPool:
             recently lent is forgotten (freed by the last view of it, as any array).
         max_bytes: the most bytes of those buffers together.
 
-    A loan of ``n`` bytes takes an idle buffer of ``n`` to ``1.5 n`` + 1 MiB bytes, so a small state
-    does not keep a large buffer alive. Memory: at most ``max_bytes`` held beyond what callers use.
+    A loan of ``n`` bytes takes an idle buffer of ``n`` to ``1.125 n`` + 64 KiB bytes: what a caller
+    keeps alive is within an eighth of what it asked for (caches charge the bytes they asked for).
+    Memory: at most ``max_bytes`` held beyond what callers use.
     Thread-safe: a lock guards the pool's list (reference counts are read under it; only a holder of a
     view can make another, so an idle buffer cannot become busy meanwhile).
     """
@@ -69,7 +71,7 @@ class RecyclingPool:
             raise ValueError(f"cannot take {nbytes} bytes")
         if nbytes < _POOLED_FROM or not _COUNTS_REFERENCES or not hasattr(mmap, "MAP_ANONYMOUS"):
             return np.empty(nbytes, dtype=np.uint8)
-        largest = nbytes * 3 // 2 + _POOLED_FROM
+        largest = nbytes + nbytes // 8 + _SLACK
         with self._lock:
             for index in range(len(self._maps)):
                 # Two references when idle: the list's and getrefcount's argument.
