@@ -13,7 +13,8 @@ A step that carries no decode row reads at most ``cap`` rows: llama.cpp's CPU pr
 larger ubatches (``llama-batched-bench``, the default model, a 1,024-token prompt: 286 tokens/s in
 128-row ubatches, 242 in 512-row ones), and a request arriving meanwhile waits for the whole step.
 
-Not thread-safe: owned by the scheduler's thread.
+Owned by the scheduler's thread; its figures (:attr:`StepBudget.decode_step`, :attr:`StepBudget.prompt_row`,
+:meth:`StepBudget.rows`) may be read from any thread for metrics (a read may miss the latest step).
 """
 
 from __future__ import annotations

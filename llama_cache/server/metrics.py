@@ -25,6 +25,11 @@ figures are read when ``/metrics`` is scraped, from ``cache.stats()``, the gate 
     llama_cache_engine_evicted_sequences_total          idle sequences evicted (their state stored first)
     llama_cache_engine_preempted_total                  generations whose cells were dropped for want of room
     llama_cache_kv_cells, llama_cache_kv_cells_in_use   the KV pool and the cells its sequences hold
+    llama_cache_engine_decode_step_seconds              mean time of a step of generated tokens alone
+    llama_cache_engine_prompt_row_seconds               mean time a prompt row adds to a step
+    llama_cache_engine_prompt_rows_while_generating     prompt rows a step may carry beside generating
+                                                        sequences now (those two measurements' ratio,
+                                                        8 to 128)
 """
 
 from __future__ import annotations
@@ -99,6 +104,8 @@ class _LiveCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}_kv_cells", "Cells of the KV pool", value=figures["kv_cells"])
             yield GaugeMetricFamily(f"{PREFIX}_kv_cells_in_use", "Cells of the KV pool its sequences hold",
                                     value=figures["kv_cells_in_use"])
+            for name, help_text in _ENGINE_GAUGES.items():
+                yield GaugeMetricFamily(f"{PREFIX}_engine_{name}", help_text, value=figures[name])
 
 
 _ENGINE_COUNTERS = {
@@ -107,6 +114,12 @@ _ENGINE_COUNTERS = {
     "restored_tokens": "Prompt tokens restored from the cache tiers into a sequence",
     "evicted_sequences": "Idle sequences evicted for room (their state stored in the tiers first)",
     "preempted": "Generations whose cells were dropped for want of room (they evaluate again)",
+}
+
+_ENGINE_GAUGES = {
+    "decode_step_seconds": "Mean seconds of a step of generated tokens alone (0: none measured yet)",
+    "prompt_row_seconds": "Mean seconds a prompt row adds to a step (0: none measured yet)",
+    "prompt_rows_while_generating": "Prompt rows a step may carry beside generating sequences now",
 }
 
 
