@@ -25,10 +25,39 @@ def test_while_sequences_generate_prompt_rows_fit_one_more_decode_step() -> None
     assert budget.decode_step == pytest.approx(0.060)
     assert budget.prompt_row == pytest.approx(0.007)
     assert budget.rows(4) == 8  # 60 ms / 7 ms
-    budget.observe(0, 128, 0.128)  # a cheap pool: 1 ms a row
-    assert budget.rows(4) == 60
+    budget.observe(0, 128, 0.124)  # a cheap pool: 128 rows took 64 ms more than a decode step
+    assert budget.prompt_row == pytest.approx(0.0005)
+    assert abs(budget.rows(4) - 120) <= 1  # 60 ms / 0.5 ms
     budget.observe(4, 0, 0.500)  # a slow decode step leaves room for more, within the cap
     assert budget.rows(4) == 128
+
+
+def test_a_busy_engine_keeps_both_estimates_current_from_mixed_steps() -> None:
+    budget = StepBudget(128, smoothing=0.3)
+    budget.observe(4, 0, 0.030)
+    budget.observe(4, 10, 0.080)
+    for _ in range(200):  # the pool fills: every step mixes 4 decode rows and 20 prompt rows
+        budget.observe(4, 20, 0.200 + 20 * 0.005)
+    # Only the sum is determined by such steps: the model fits it at 20 rows, whatever the split.
+    assert budget.decode_step + 20 * budget.prompt_row == pytest.approx(0.300, rel=0.02)
+    assert budget.decode_step > 0.09  # not stuck at the 30 ms of an emptier pool
+
+
+def test_short_prompt_only_steps_and_samples_without_time_tell_nothing() -> None:
+    budget = StepBudget(128, floor=8, smoothing=1.0)
+    budget.observe(4, 0, 0.040)
+    budget.observe(4, 20, 0.080)
+    assert budget.prompt_row == pytest.approx(0.002)
+    budget.observe(0, 1, 0.050)  # a one-row re-evaluation: mostly a step's fixed cost
+    budget.observe(4, 20, 0.030)  # faster than a decode step alone: no time left for the rows
+    assert budget.prompt_row == pytest.approx(0.002)
+
+
+def test_a_vanishing_row_cost_gives_the_cap_never_an_overflow() -> None:
+    budget = StepBudget(128, smoothing=1.0)
+    budget.observe(2, 0, 1e300)
+    budget.observe(2, 10, 1e300 * (1 + 1e-15))
+    assert budget.rows(2) == 128
 
 
 def test_prompts_advance_by_the_floor_however_costly_their_rows() -> None:

@@ -14,7 +14,8 @@ Each step the :class:`Scheduler`
    ``prompt_rows_per_step`` prompt rows; while any sequence generates, only as many prompt rows as keep
    the step within twice a decode-only step, measured (:class:`~.step_budget.StepBudget`: a generating
    sequence's next token waits for one bounded chunk, however long the prompts being read and however
-   full the pool); logits only for the rows that sample;
+   full the pool; in deterministic mode, where each generation decodes alone, the cap alone); logits
+   only for the rows that sample;
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
    generation's ``on_token`` says whether it ends there.
 

@@ -48,23 +48,44 @@ class StepBudget:
 
     def rows(self, decode_rows: int) -> int:
         """The most prompt rows a step beside ``decode_rows`` generating sequences' rows may carry."""
-        if decode_rows == 0 or self.decode_step is None or not self.prompt_row:
+        decode_step, prompt_row = self.decode_step, self.prompt_row  # read once: metrics call this too
+        if decode_rows == 0 or decode_step is None or prompt_row is None or prompt_row <= 0:
             return self.cap
-        fit = int(self.slack * self.decode_step / self.prompt_row)
-        return max(self.floor, min(self.cap, fit))
+        fit = self.slack * decode_step / prompt_row
+        return self.cap if fit >= self.cap else max(self.floor, int(fit))
 
     def observe(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
         """Record a step's decode: ``decode_rows`` generated tokens' rows and ``prompt_rows`` prompt
-        rows took ``seconds``."""
+        rows took ``seconds``.
+
+        A step of both kinds updates both means, each from what the other leaves of its time (a step
+        time modelled as a decode part plus a cost per prompt row), so neither goes stale while steps
+        without prompt rows are rare (a busy server). A prompt-only step counts for a row's cost only
+        once it has :attr:`floor` rows, less the decode part: a step's fixed cost spread over a row or
+        two would count as an expensive row. A sample that leaves no time for the other part tells
+        nothing and is skipped.
+        """
         if seconds <= 0 or decode_rows + prompt_rows == 0:
             return
         if prompt_rows == 0:
             self.decode_step = self._mean(self.decode_step, seconds)
-        elif decode_rows == 0:
-            self.prompt_row = self._mean(self.prompt_row, seconds / prompt_rows)
-        elif self.decode_step is not None:
-            extra = max(seconds - self.decode_step, 0.0) / prompt_rows
-            self.prompt_row = self._mean(self.prompt_row, extra)
+            return
+        if decode_rows == 0:
+            if prompt_rows < self.floor:
+                return
+            extra = seconds - (self.decode_step or 0.0)
+            if extra > 0:
+                self.prompt_row = self._mean(self.prompt_row, extra / prompt_rows)
+            return
+        if self.decode_step is None:
+            return
+        extra = seconds - self.decode_step
+        if extra > 0:
+            self.prompt_row = self._mean(self.prompt_row, extra / prompt_rows)
+        if self.prompt_row is not None:
+            rest = seconds - prompt_rows * self.prompt_row
+            if rest > 0:
+                self.decode_step = self._mean(self.decode_step, rest)
 
     def _mean(self, mean: float | None, value: float) -> float:
         return value if mean is None else mean + self.smoothing * (value - mean)

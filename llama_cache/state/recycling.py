@@ -10,8 +10,10 @@ nothing refers to it any more.
 How it knows: each buffer is an anonymous memory map, and an array made on it refers to it through a
 ``memoryview``; every view of that array, every ``memoryview`` of a view and every array made on one
 of those keeps that chain, and so the map, alive. The map's CPython reference count is therefore the
-pool's own references exactly when no view of it is alive. Interpreters that do not count references
-so get a new buffer at every loan.
+pool's own references exactly when no view of it is alive. What does not count: a raw address taken
+from an array (``ctypes.data``, ``__array_interface__``) outliving it, or ``release()`` called on an
+array's ``base`` memoryview; code using lent buffers must not do either. Interpreters that do not count
+references so (not CPython, or CPython without its GIL) get a new buffer at every loan.
 """
 
 from __future__ import annotations
@@ -27,7 +29,17 @@ from llama_cache.state.kv_layout import Bytes
 __all__ = ["RecyclingPool"]
 
 _PAGE = mmap.PAGESIZE
-_COUNTS_REFERENCES = sys.implementation.name == "cpython"
+# Free-threaded builds count references per thread: a count read there does not say who holds a map.
+_COUNTS_REFERENCES = sys.implementation.name == "cpython" and getattr(sys, "_is_gil_enabled", lambda: True)()
+
+
+def _idle_references() -> int:
+    """What ``sys.getrefcount(items[i])`` reads for an object only a list holds (measured, not assumed)."""
+    items = [object()]
+    return sys.getrefcount(items[0])
+
+
+_IDLE = _idle_references()
 _POOLED_FROM = 1 << 20  # smaller buffers: np.empty (the allocator's own free lists serve them)
 _SLACK = 64 << 10  # beyond an eighth, what an idle buffer may exceed a loan by
 
@@ -74,8 +86,7 @@ class RecyclingPool:
         largest = nbytes + nbytes // 8 + _SLACK
         with self._lock:
             for index in range(len(self._maps)):
-                # Two references when idle: the list's and getrefcount's argument.
-                if nbytes <= len(self._maps[index]) <= largest and sys.getrefcount(self._maps[index]) <= 2:
+                if nbytes <= len(self._maps[index]) <= largest and sys.getrefcount(self._maps[index]) <= _IDLE:
                     mapping = self._maps.pop(index)
                     self._maps.append(mapping)
                     self.reuses += 1
@@ -93,7 +104,7 @@ class RecyclingPool:
     def idle_nbytes(self) -> int:
         """Bytes of the buffers no view refers to."""
         with self._lock:
-            return sum(len(self._maps[i]) for i in range(len(self._maps)) if sys.getrefcount(self._maps[i]) <= 2)
+            return sum(len(self._maps[i]) for i in range(len(self._maps)) if sys.getrefcount(self._maps[i]) <= _IDLE)
 
     @property
     def kept_nbytes(self) -> int:
@@ -108,6 +119,6 @@ class RecyclingPool:
 
     @staticmethod
     def _map(nbytes: int) -> mmap.mmap:
-        """Anonymous memory with its pages faulted in by the kernel in one call where it can."""
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(-1, nbytes, flags=flags)
+        """Anonymous memory, its pages mapped as they are first written (a lookup that fills part of
+        its buffer makes only that part resident)."""
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
