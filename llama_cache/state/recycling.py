@@ -53,7 +53,7 @@ class RecyclingPool:
         max_bytes: the most bytes of those buffers together.
 
     A loan of ``n`` bytes takes an idle buffer of ``n`` to ``1.125 n`` + 64 KiB bytes: what a caller
-    keeps alive is within an eighth of what it asked for (caches charge the bytes they asked for).
+    keeps alive is within an eighth of what it asked for.
     Memory: at most ``max_bytes`` held beyond what callers use.
     Thread-safe: a lock guards the pool's list (reference counts are read under it; only a holder of a
     view can make another, so an idle buffer cannot become busy meanwhile).
