@@ -175,6 +175,25 @@ def test_a_state_found_stays_whole_while_later_lookups_reuse_the_reply_buffers(f
     assert REPLY_BUFFERS.reuses > reuses  # the buffers were lent again, not mapped anew each time
 
 
+def test_fetch_bounds_each_reply_by_its_own_command() -> None:
+    import redis
+
+    from llama_cache.caches import redis_client, redis_transfer
+
+    with RedisServer() as server:
+        client = redis_client.connect(server.url, timeout=5, cluster=False)
+        client.set("a", b"12345")
+        client.set("b", b"678")
+        commands = [("a", ("GET", "a")), ("b", ("GET", "b")), ("c", ("EXISTS", "c"))]
+        got = redis_transfer.fetch(client, commands, [5, 3, 0])
+        assert [bytes(got[0]), bytes(got[1]), got[2]] == [b"12345", b"678", 0]
+        refused = redis_transfer.fetch(client, commands, [5, 2, 0])  # b's value is longer than its bound
+        assert all(isinstance(reply, redis.ResponseError) for reply in refused)
+        assert bytes(redis_transfer.fetch(client, commands[:1], 5)[0]) == b"12345"  # the connection recovered
+        with pytest.raises(ValueError):
+            redis_transfer.fetch(client, commands, [5, 3])
+
+
 def test_a_shared_prefix_is_stored_once(fresh: Deployment) -> None:
     cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
     base = make_cut_state(range(64), 64 * 400)

@@ -492,8 +492,9 @@ class LlamaRedisCache(BaseLlamaCache):
             # cluster's pipelines, and a refused call here made every exact hit a miss.
             commands.append((lru, ("EVAL", TOUCH_SCRIPT, 2, lru, clock, redis_keys.digest(query).hex())))
 
-        bound = frame_size(plan.layout, plan.chunk_tokens)
-        replies = self._call("fetch", lambda: redis_transfer.fetch(self._client, commands, bound))
+        # Room for each chunk's value; the refresh script answers an integer.
+        bounds = [frame_size(plan.layout, plan.chunk_tokens)] * len(keys) + [0] * (len(commands) - len(keys))
+        replies = self._call("fetch", lambda: redis_transfer.fetch(self._client, commands, bounds))
         if replies is None:
             return None
         values = replies[: len(keys)]

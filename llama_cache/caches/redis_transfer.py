@@ -67,16 +67,23 @@ class _Protocol(redis.ResponseError):
     """A reply this reader does not take (too long, or of another type): the connection is dropped."""
 
 
-def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk: int) -> list[Any]:
+def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk: int | Sequence[int]) -> list[Any]:
     """The replies to ``commands`` (each ``(its key, its arguments)``), one round trip per node.
 
-    Bulk replies are memoryviews into one buffer per node (kept alive by them), at most ``max_bulk``
-    bytes each; nil replies None, integers int, simple strings bytes, errors (a failing node's
-    commands too) the exception. Memory: one buffer per node of about ``max_bulk`` per command.
+    ``max_bulk``: the longest bulk reply taken, for every command or one per command (a command whose
+    reply is an integer or nil: 0). Bulk replies are memoryviews into one buffer per node (kept alive
+    by them), at most their ``max_bulk`` bytes each; nil replies None, integers int, simple strings bytes, errors (a failing node's
+    commands too) the exception. Memory: one buffer per node of about its commands' ``max_bulk``.
 
     Never raises for a failing node (its replies are the exception).
+
+    Raises:
+        ValueError: ``max_bulk`` is a sequence of another length than ``commands``.
     """
     replies: list[Any] = [None] * len(commands)
+    bounds = [max_bulk] * len(commands) if isinstance(max_bulk, int) else list(max_bulk)
+    if len(bounds) != len(commands):
+        raise ValueError(f"{len(bounds)} reply bounds for {len(commands)} commands")
     groups: list[tuple[Any, list[int]]] = []  # (connection pool, positions)
     if isinstance(client, redis.cluster.RedisCluster):
         by_node: dict[str, tuple[Any, list[int]]] = {}
@@ -104,7 +111,7 @@ def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk
             taken.append((pool, connection, positions, b"".join(pack(*commands[at][1]) for at in positions)))
         sent = [_send(connection, packed) for _, connection, _, packed in taken]
         for (_, connection, positions, packed), failure in zip(taken, sent):
-            answers = _read_group(connection, positions, commands, packed, max_bulk, failure)
+            answers = _read_group(connection, positions, packed, [bounds[at] for at in positions], failure)
             for at, answer in zip(positions, answers):
                 replies[at] = answer
     finally:
@@ -126,14 +133,14 @@ def _send(connection: Any, packed: bytes) -> Exception | None:
     return None
 
 
-def _read_group(connection: Any, positions: list[int], commands: Sequence[tuple[Any, tuple[Any, ...]]],
-                packed: bytes, max_bulk: int, failure: Exception | None) -> list[Any]:
+def _read_group(connection: Any, positions: list[int], packed: bytes, bounds: list[int],
+                failure: Exception | None) -> list[Any]:
     """The replies of one node's commands (already sent, unless ``failure``); one retry on a new
     connection when the first turns out broken before any reply (the server restarted)."""
     for attempt in range(2):
         if failure is None:
             try:
-                return _read_replies(connection, len(positions), max_bulk)
+                return _read_replies(connection, bounds)
             except _Fresh as broken:
                 failure = broken.error
             except (redis.RedisError, OSError) as error:
@@ -155,14 +162,16 @@ class _Fresh(Exception):
         self.error = error
 
 
-def _read_replies(connection: InPlaceReads, count: int, max_bulk: int) -> list[Any]:
-    """``count`` replies read from ``connection``'s socket into one buffer.
+def _read_replies(connection: InPlaceReads, bounds: list[int]) -> list[Any]:
+    """One reply per bound, read from ``connection``'s socket into one buffer (bulk replies at most
+    their bound; the buffer holds all of them at their bounds).
 
     Raises:
         _Fresh: the connection broke before the first reply's first byte.
         redis.RedisError: it broke later (the connection must be dropped).
     """
-    buffer = REPLY_BUFFERS.take(count * (max_bulk + 32) + _LINE)
+    count, widest = len(bounds), max(bounds, default=0)
+    buffer = REPLY_BUFFERS.take(sum(bounds) + 32 * count + _LINE)
     view = memoryview(buffer)
     filled = position = 0
     replies: list[Any] = []
@@ -172,7 +181,7 @@ def _read_replies(connection: InPlaceReads, count: int, max_bulk: int) -> list[A
         if filled >= len(buffer):
             raise _Protocol("reply longer than expected")
         try:
-            filled += connection.recv_into(view[filled : min(len(buffer), filled + max(_READ, 2 * max_bulk))])
+            filled += connection.recv_into(view[filled : min(len(buffer), filled + max(_READ, 2 * widest))])
         except redis.ConnectionError as error:
             if filled == 0 and not isinstance(error, redis.TimeoutError):
                 raise _Fresh(error) from error
@@ -194,7 +203,7 @@ def _read_replies(connection: InPlaceReads, count: int, max_bulk: int) -> list[A
                 if length == -1:
                     replies.append(None)
                     continue
-                if not 0 <= length <= max_bulk:
+                if not 0 <= length <= bounds[len(replies)]:
                     raise _Protocol("bulk reply longer than expected")
                 while filled < position + length + 2:
                     more()
