@@ -36,7 +36,11 @@ no ``maxmemory``) serves every section, emptied (``FLUSHALL``) before each. Sect
    redis-benchmark's MB/s, for stores and for lookups. Where the time goes: one more store and lookup
    under ``cProfile``, the functions taking most of it (own time) in the JSON's ``transfer.profile``.
    (redis-benchmark sets and gets one key over and over, so its value is in the CPU's caches; the
-   tier's 95 values are not.)
+   tier's 95 values are not.) Where a store's time goes, measured apart (medians of ``--repeat`` x 3,
+   in the JSON's ``transfer.phases``): framing every chunk (``encode_frame`` into one reused buffer),
+   then sending the framed values as ``SET`` commands to keys just deleted (Redis reuses that memory),
+   overwriting the same keys, and to new keys in an empty server; and writing a buffer of the state's
+   size: ``np.empty`` (memory freed before, or new), new pages (a page fault per page), already touched.
 4. **memory** - the workload of the chunk-storage issue (#10), from ``benchmarks/dedup.py`` (its generator
    and its run): ``--conversations`` users (20) sharing a ``--system-tokens`` system prompt (1,000),
    ``--turns`` questions each (5; 40-100 words), interleaved round-robin as greedy streamed chat
@@ -494,12 +498,14 @@ def bench_transfer(server: Any, state: Any, repeat: int, requests: int) -> dict[
                 client.delete("key:__rand_int__")
         print(f"  transfer: repetition {rep + 1}/{repeat} done", file=sys.stderr)
     profile = profile_transfer(cache, state)
+    phases = store_phases(server, state, repeat)
     cache.clear()
     cache.close()
     client.close()
 
     out: dict[str, Any] = {name: statistics.median(values) for name, values in samples.items()}
     out["profile"] = profile
+    out["phases"] = phases
     out["samples"] = samples
     out["chunk_value_bytes"] = len(chunk_values[0])
     out["state_tokens"] = state.n_tokens
@@ -526,6 +532,82 @@ def bench_transfer(server: Any, state: Any, repeat: int, requests: int) -> dict[
             ["lookup, verify=False", f"{out['lookup_mbps_verify_False']:.0f}", "", "", ""],
         ],
     )
+    return out
+
+
+def store_phases(server: Any, state: Any, repeat: int) -> dict[str, float]:
+    """Milliseconds (medians) of the parts of a store, measured apart (see the module docstring)."""
+    import redis
+
+    from llama_cache.caches.redis_frames import encode_frame, frame_size, layer_stacks
+    from llama_cache.state.chunks import pieces
+
+    chain = pieces(state.fingerprint, np.asarray(state.tokens, dtype=np.int32), CHUNK_TOKENS)
+    frame = np.empty(frame_size(state.layout, CHUNK_TOKENS), dtype=np.uint8)
+    stacks = [layer_stacks(segment) for segment in state.segments]
+    frames = [bytes(encode_frame(state.fingerprint, piece, state.layout, state.segments, frame, stacks))
+              for piece in chain]
+    client = redis.Redis.from_url(server.url, socket_timeout=30)
+    keys = [f"bench:phase:{i}".encode() for i in range(len(frames))]
+
+    def send() -> None:
+        connection = client.connection_pool.get_connection()
+        try:
+            for key, value in zip(keys, frames):
+                connection.send_packed_command(
+                    [b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(value)), value, b"\r\n"],
+                    check_health=False)
+            for _ in frames:
+                connection.read_response()
+        finally:
+            client.connection_pool.release(connection)
+
+    def encode() -> None:
+        for piece in chain:
+            encode_frame(state.fingerprint, piece, state.layout, state.segments, frame, stacks)
+
+    size = sum(len(value) for value in frames)
+    touched = np.ones(size, dtype=np.uint8)
+    source = np.ones(size, dtype=np.uint8)
+
+    def write_fresh() -> None:  # np.empty: glibc may hand back memory freed before, or map new pages
+        target = np.empty(size, dtype=np.uint8)
+        target[:] = source
+
+    def write_new_pages() -> None:  # memory never touched: a page fault per page
+        import mmap
+
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        target = np.frombuffer(mapping, dtype=np.uint8)
+        target[:] = source
+        del target
+        mapping.close()
+
+    def write_touched() -> None:
+        touched[:] = source
+
+    samples: dict[str, list[float]] = {}
+    for _ in range(3 * repeat):
+        for name, before, run in (
+            ("frame_ms", None, encode),
+            ("send_new_keys_ms", lambda: server.cli("flushall"), send),
+            ("send_freed_keys_ms", lambda: client.delete(*keys), send),
+            ("send_overwrite_ms", None, send),
+            ("write_fresh_buffer_ms", None, write_fresh),
+            ("write_new_pages_ms", None, write_new_pages),
+            ("write_touched_buffer_ms", None, write_touched),
+        ):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            run()
+            samples.setdefault(name, []).append(1e3 * (time.perf_counter() - start))
+    client.delete(*keys)
+    client.close()
+    out = {name: statistics.median(values) for name, values in samples.items()}
+    out["bytes"] = size
+    print("  store phases (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in out.items() if k != "bytes"),
+          file=sys.stderr)
     return out
 
 

@@ -10,8 +10,9 @@ still advance by at least ``floor`` rows a step, so none waits forever behind a 
 requests.
 
 A step that carries no decode row reads at most ``cap`` rows: llama.cpp's CPU prefill is no faster in
-larger ubatches (``llama-batched-bench``, the default model, a 1,024-token prompt: 286 tokens/s in
-128-row ubatches, 242 in 512-row ones), and a request arriving meanwhile waits for the whole step.
+larger ubatches (one run each of ``llama-batched-bench -m MODEL -c 4096 -b N -ub N -npp 1024 -ntg 1
+-npl 1 -t 2 -fa off``, the default model: 286 tokens/s with N = 128, 242 with N = 512), and a request
+arriving meanwhile waits for the whole step.
 
 Owned by the scheduler's thread; its figures (:attr:`StepBudget.decode_step`, :attr:`StepBudget.prompt_row`,
 :meth:`StepBudget.rows`) may be read from any thread for metrics (a read may miss the latest step).

@@ -1,7 +1,7 @@
 """Buffers lent for as long as anything refers to them, then lent again with their pages already mapped.
 
-Writing into fresh memory costs a page fault per page on first touch: on the project's 2-core VM, 95-105
-ms for 35 MB, against 3-4 ms into memory touched before. A Redis lookup reads a whole state's chunks
+Writing into fresh memory costs a page fault per page on first touch: on the project's 2-core VM, 19 ms
+for 35 MB, against 2.8 ms into memory touched before (``benchmarks/redis_tier.py``, ``transfer.phases``). A Redis lookup reads a whole state's chunks
 from the socket into one buffer, and the state it returns keeps views of that buffer for as long as it
 lives (no copy), so the buffer cannot be given back at a known time, as
 :class:`~llama_cache.state.kv_layout.StagingPool`'s are. A :class:`RecyclingPool` lends it again once
