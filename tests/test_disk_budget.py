@@ -159,6 +159,28 @@ def test_opening_and_fixing_remove_empty_folders_and_measure_the_rest(tmp_path: 
         assert pattern_ok(cache[[1]])
 
 
+def test_a_folder_grown_behind_the_index_is_fitted_when_opened(tmp_path: Path) -> None:
+    """A killed writer's young files stay (they may be a store in progress) and leave their folder
+    larger for good; a cache opening the directory measures it and evicts until the budget holds."""
+    directory = tmp_path / "cache"
+    with LlamaDiskCache(directory, capacity_bytes=BUDGET, write_behind=False, chunk_tokens=4) as cache:
+        rng = random.Random(5)
+        while cache.stats().evictions == 0:  # full: the next byte the budget sees evicts
+            key = random_key(rng)
+            cache[key] = kv_state(key)
+        entries = len(cache)
+    folder = next(child for child in (directory / DATA_DIR).iterdir() if child.is_dir())
+    before = os.lstat(folder).st_blocks * 512
+    for number in range(400):  # names as long as a payload's, each a folder entry
+        (folder / f"{number:064x}.tmp").touch()
+    assert os.lstat(folder).st_blocks * 512 > before
+    with LlamaDiskCache(directory, capacity_bytes=BUDGET, write_behind=False, chunk_tokens=4) as cache:
+        assert cache.disk_usage <= BUDGET and cache.stats().evictions > 0
+        assert 0 < len(cache) < entries
+        for key in cache.keys():
+            assert restores_exactly(cache[key], key)
+
+
 _WRITER = textwrap.dedent(
     """
     import random, sys

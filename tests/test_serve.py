@@ -373,6 +373,10 @@ def test_the_engine_counts_every_token_it_evaluates(server: LiveServer) -> None:
     # The step budget's measurements: a prompt was read and tokens generated alone, so both are known.
     assert after["llama_cache_engine_decode_step_seconds"] > 0 and after["llama_cache_engine_prompt_row_seconds"] > 0
     assert 8 <= after["llama_cache_engine_prompt_rows_while_generating"] <= 128
+    # Steps' seconds, and of those llama_decode's: both grew, the decodes within the steps.
+    step = after["llama_cache_engine_step_seconds_total"] - before["llama_cache_engine_step_seconds_total"]
+    decode = after["llama_cache_engine_decode_seconds_total"] - before["llama_cache_engine_decode_seconds_total"]
+    assert 0 < decode < step
 
 
 def test_a_client_that_disconnects_while_its_prompt_is_read_stops_it_at_the_next_chunk(

@@ -24,6 +24,9 @@ figures are read when ``/metrics`` is scraped, from ``cache.stats()``, the gate 
     llama_cache_engine_restored_tokens_total            prompt tokens restored from the cache tiers
     llama_cache_engine_evicted_sequences_total          idle sequences evicted (their state stored first)
     llama_cache_engine_preempted_total                  generations whose cells were dropped for want of room
+    llama_cache_engine_step_seconds_total               seconds in the engine's steps: decode, sampling, streaming
+    llama_cache_engine_decode_seconds_total             seconds of those in ``llama_decode`` alone (the rest,
+                                                        over steps_total, is the Python around a decode)
     llama_cache_kv_cells, llama_cache_kv_cells_in_use   the KV pool and the cells its sequences hold
     llama_cache_engine_decode_step_seconds              mean time of a step of generated tokens alone
     llama_cache_engine_prompt_row_seconds               mean time a prompt row adds to a step
@@ -114,6 +117,8 @@ _ENGINE_COUNTERS = {
     "restored_tokens": "Prompt tokens restored from the cache tiers into a sequence",
     "evicted_sequences": "Idle sequences evicted for room (their state stored in the tiers first)",
     "preempted": "Generations whose cells were dropped for want of room (they evaluate again)",
+    "step_seconds": "Seconds in the engine's steps (admission, batch, decode, sampling, streaming)",
+    "decode_seconds": "Seconds of those in llama_decode alone",
 }
 
 _ENGINE_GAUGES = {

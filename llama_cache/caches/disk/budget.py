@@ -28,8 +28,9 @@ budget, bounds the index's pages (:func:`growth_bound`) instead of counting them
 
 What the budget cannot see: files written but not yet committed (a store in progress, another
 process's included, and the journal during a commit: the directory exceeds the budget by them until
-the commit that evicts for them), orphans of killed writers until they are swept, and damaged indexes
-moved aside (``index.sqlite3.damaged-*``), which are kept for inspection.
+the commit that evicts for them), orphans of killed writers until they are swept (the folders they
+grew are measured, and entries evicted to fit, when a cache next opens the directory), and damaged
+indexes moved aside (``index.sqlite3.damaged-*``), which are kept for inspection.
 
 Functions taking a connection run in the caller's transaction, with the directory's lock held.
 """

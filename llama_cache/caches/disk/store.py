@@ -543,15 +543,24 @@ class DiskStore:
 
     def measure_folders(self) -> None:
         """Measure every shard folder again and record exactly those sizes (at open, ``check(fix=True)``):
-        what removals by killed processes or older versions left unrecorded. Takes the lock; one ``stat``
-        per folder; errors are logged."""
+        what removals by killed processes or older versions left unrecorded. Should the folders have
+        grown behind the index's back (a killed writer's files, on ext4, leave a folder larger for
+        good), least recently used entries are evicted until the directory fits its budget again, in
+        the same transaction. Takes the lock; one ``stat`` per folder; errors are logged."""
         with self.lock:
             try:
                 with self.transaction() as conn:
                     self._folders = self._top = None
                     budget.replace_folders(conn, self.data.folder_sizes())
+                    self.sync(force=True)  # in the transaction: the view is the index it evicts from
+                    evicted, freed, _ = budget.evict_to_fit(self, conn, self.capacity, budget.files_bytes(self, conn), ())
             except sqlite3.Error as error:
                 logger.warning("disk cache: could not measure the folders: %s", error)
+                return
+            self.counters.evictions += len(evicted)
+            if evicted or freed:
+                self.sync_or_log(force=True)
+        self.remove_files([entry.file for entry in evicted] + [file for file, _ in freed])
 
     def usage(self) -> int:
         """What the directory takes as the budget counts it (:mod:`.budget`), after a sync. Lock held.
