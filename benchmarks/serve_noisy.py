@@ -38,7 +38,7 @@ Every server gets the same requests; their status codes are counted per kind and
 refuses one kind is recorded as such, not skipped). Servers: ``llama-cache serve`` and llama.cpp's
 ``llama-server`` (found as ``benchmarks/serve.py`` says; skipped with a message when absent), with the
 settings of ``benchmarks/serve.py`` (same context per request, slots, threads, batch, flash attention:
-by default ``llama-cache serve``'s auto, off on the CPU).
+by default ``llama-cache serve``'s auto, on).
 The order of the servers rotates from round to round; each round starts every server afresh.
 
 Targets, as ratios of the medians over rounds of each phase's p95 (time to first token and total):
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                         "attack's compute is measured, not a wait for a free slot)")
     parser.add_argument("--threads", type=int, default=physical_cores())
     parser.add_argument("--flash-attn", type=on_off, default=flash_attention_for(None, False),
-                        help="on or off, for every server (default: llama-cache serve's auto here, off on the CPU)")
+                        help="on or off, for every server (default: llama-cache serve's auto, on)")
     parser.add_argument("--with-api-key", action="store_true", help="both servers with --api-key; every request "
                         "(the attackers' too) carries it")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_noisy.json")

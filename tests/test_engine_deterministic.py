@@ -107,8 +107,9 @@ def test_deterministic_mode_needs_a_transformer_model(tiny_model_paths: dict[str
 def test_deterministic_mode_needs_flash_attention() -> None:
     import llama_cpp
 
-    with Engine(n_ctx=512, parallel=1) as engine:  # auto: off on a CPU build, on a GPU one
-        assert engine.flash_attn is bool(llama_cpp.llama_supports_gpu_offload())
+    with Engine(n_ctx=512, parallel=1) as engine:  # auto: on, as llama-server's
+        assert engine.flash_attn is True
+        assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
     with Engine(n_ctx=512, parallel=1, flash_attn=False) as engine:
         assert engine.flash_attn is False
         assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED

@@ -8,9 +8,11 @@ official ``openai`` client, among them the schemas that crash llama-cpp-python's
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -105,7 +107,7 @@ def test_the_mask_keeps_allowed_logits_blocks_the_rest_and_allows_only_the_end_o
     text = reply["choices"][0]["message"]["content"]
     assert reply["choices"][0]["finish_reason"] == "stop"
     assert _matches_weather(json.loads(text))
-    oracle = llguidance.LLMatcher(compiler._tokenizer, llguidance.LLMatcher.grammar_from_json_schema(  # noqa: SLF001
+    oracle = llguidance.LLMatcher(compiler.tokenizer, llguidance.LLMatcher.grammar_from_json_schema(
         json.dumps({**WEATHER, "additionalProperties": False}),
         overrides={"whitespace_pattern": JSON_WHITESPACE_PATTERN}), log_level=0)
     prompt_length = len(recorder.calls[0][0])
@@ -150,6 +152,24 @@ def test_the_mask_after_an_accepted_prefix(llama: Llama, compiler: ConstraintCom
     masked = constraint(np.array(prompt + prefix + rest, dtype=np.intc), row.copy())
     assert set(np.flatnonzero(np.isfinite(masked)).tolist()) == set(compiler.end_tokens)
     assert constraint.complete
+
+
+def test_first_compiles_from_many_threads_at_once_read_the_vocabulary_once(llama: Llama) -> None:
+    """A fresh compiler reads the vocabulary at its first compile; threads compiling together share it."""
+    fresh = ConstraintCompiler(llama_cpp.llama_model_get_vocab(llama.model), llama.n_vocab())
+    barrier = threading.Barrier(4)
+
+    def first_mask(_: int) -> tuple[Any, Any]:
+        barrier.wait()
+        constraint = fresh.compile(WEATHER)
+        return fresh.tokenizer, np.isfinite(constraint.mask(np.zeros(llama.n_vocab(), dtype=np.float32)))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(first_mask, range(4)))
+    assert all(tokenizer is results[0][0] for tokenizer, _ in results)
+    for _, allowed in results:
+        np.testing.assert_array_equal(allowed, results[0][1])
+    assert 0 < allowed.sum() < llama.n_vocab()
 
 
 def test_rows_longer_or_shorter_than_the_tokenizer_vocabulary(llama: Llama, compiler: ConstraintCompiler) -> None:

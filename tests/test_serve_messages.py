@@ -32,7 +32,10 @@ WEATHER = {"name": "get_weather", "description": "The current weather in a city"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16))
+    # Deterministic: tests compare a streamed answer with the same request answered whole, greedy, bit for
+    # bit; in the default mode a single query row's attention sums its cells in pieces that depend on how
+    # far the pool's cells in use reach, so two runs of one prompt may part at a near tie.
+    live = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16, deterministic=True))
     yield live
     live.stop()
 
@@ -181,19 +184,7 @@ def _raw_events(server: LiveServer, body: dict[str, Any]) -> list[tuple[str, dic
     return events
 
 
-def test_a_text_stream_follows_anthropics_event_order() -> None:
-    # A server of its own: the whole answer below is compared with the streamed one, greedy, bit for bit,
-    # which holds when both sequences' cells are in position order (in a long-used pool, cells freed by
-    # other requests are reused, and the floats may differ).
-    server = LiveServer(ServerConfig(n_ctx=N_CTX, parallel=2, max_queue=16))
-    try:
-        with anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0) as client:
-            _stream_follows_the_event_order(server, client)
-    finally:
-        server.stop()
-
-
-def _stream_follows_the_event_order(server: LiveServer, client: anthropic.Anthropic) -> None:
+def test_a_text_stream_follows_anthropics_event_order(server: LiveServer, client: anthropic.Anthropic) -> None:
     body = {"model": "m", "max_tokens": 12, "messages": _ask("Say hello.")}
     events = _raw_events(server, {**body, **GREEDY})
     names = [name for name, _ in events]

@@ -45,8 +45,9 @@ class DecodeFailed(RuntimeError):
 
 def flash_attention_for(requested: bool | None, deterministic: bool) -> bool:
     """Whether the engine's context runs llama.cpp's flash attention: ``requested``, or for None
-    (auto) on in deterministic mode and where this llama.cpp build offloads to a GPU, off on the
-    CPU, where the plain path decodes batches faster (docs/engine.md, "Flash attention").
+    (auto) on, as ``llama-server``'s auto: served conversations that share a head and go their own
+    ways decode faster with it on the CPU too, because each query row skips the cells of other
+    sequences instead of multiplying them (docs/engine.md, "Flash attention").
 
     Deterministic mode rests on the flash-attention path that visits a sequence's cells in order and
     skips the others exactly (see :mod:`.scheduler`), so it needs it on.
@@ -57,7 +58,7 @@ def flash_attention_for(requested: bool | None, deterministic: bool) -> bool:
     if requested is not None and not isinstance(requested, bool):
         raise ValueError(f"flash_attn must be True, False or None (auto), got {requested!r}")
     if requested is None:
-        return deterministic or bool(llama_cpp.llama_supports_gpu_offload())
+        return True
     if deterministic and not requested:
         raise ValueError("deterministic mode needs flash attention (its sums depend on the sequence alone there)")
     return requested

@@ -72,9 +72,9 @@ class Engine:
             ``n_seq_max``, at most llama.cpp's limit.
         n_threads: llama.cpp's threads (None: one per CPU the process may use).
         n_batch: the most tokens one decode evaluates.
-        flash_attn: llama.cpp's flash attention; None (auto): on in deterministic mode and on a GPU
-            build, off on the CPU, where it decodes batches faster (docs/engine.md). Off, a
-            sequence's logits depend slightly on where its cells lie and what is decoded beside it.
+        flash_attn: llama.cpp's flash attention; None (auto): on (docs/engine.md, "Flash
+            attention"; deterministic mode needs it). Off, a sequence's logits depend slightly on
+            where its cells lie and what is decoded beside it.
         cache: the cache tiers (None: none; idle sequences are the only reuse).
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).

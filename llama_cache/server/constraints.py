@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -109,9 +110,11 @@ class ConstraintCompiler:
         n_vocab: the size of the model's logits rows (tokens past the vocabulary are never allowed).
         limits: the bounds every schema must fit.
 
-    Building one reads every token's text from llama.cpp (0.3-1.3 s for a 49,152-token vocabulary), and
-    changes the process's warning filters meanwhile: build one per model, at start-up, and share it.
-    Using it is thread-safe.
+    Building one is cheap; its first compile reads every token's text from llama.cpp into llguidance's
+    tokenizer (0.3-1.3 s and about 20 MB for a 49,152-token vocabulary, changing the process's warning
+    filters meanwhile), so a server whose clients never ask for structured outputs never pays for it.
+    Build one per model and share it. Using it is thread-safe (the first compile's reading happens
+    once, other threads waiting for it).
     """
 
     def __init__(self, vocab: llama_cpp.llama_vocab_p, n_vocab: int, limits: ConstraintLimits | None = None) -> None:
@@ -123,12 +126,27 @@ class ConstraintCompiler:
         self.end_tokens = tuple(t for t in range(n_tokens) if llama_cpp.llama_vocab_is_eog(vocab, t))
         if not self.end_tokens or max(self.end_tokens) >= n_vocab:
             raise ValueError("the vocabulary has no end-of-generation token inside the logits rows")
-        with warnings.catch_warnings():
-            # llguidance 1.9.1 reads token attributes with a call llama-cpp-python 0.3.36 deprecates (once
-            # per token); the replacement returns the same values.
-            warnings.filterwarnings("ignore", "llama_token_get_attr is deprecated", DeprecationWarning)
-            self._tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(vocab, eos_token=list(self.end_tokens))
+        self._vocab = vocab
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._reading = threading.Lock()
         self._parser_limits = self.limits.parser_limits()
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer for the vocabulary (immutable), read at the first use (the slow part;
+        see the class)."""
+        tokenizer = self._tokenizer
+        if tokenizer is not None:
+            return tokenizer
+        with self._reading:
+            if self._tokenizer is None:
+                with warnings.catch_warnings():
+                    # llguidance 1.9.1 reads token attributes with a call llama-cpp-python 0.3.36 deprecates
+                    # (once per token); the replacement returns the same values.
+                    warnings.filterwarnings("ignore", "llama_token_get_attr is deprecated", DeprecationWarning)
+                    self._tokenizer = llguidance.llamacpp.lltokenizer_from_vocab(
+                        self._vocab, eos_token=list(self.end_tokens))
+            return self._tokenizer
 
     @classmethod
     def for_llama(cls, llama: llama_cpp.Llama, limits: ConstraintLimits | None = None) -> ConstraintCompiler:
@@ -210,10 +228,10 @@ class ConstraintCompiler:
         raise ConstraintError(grammar.describe(raw))
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(self._tokenizer, grammar, log_level=0, limits=self._parser_limits)
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._parser_limits)
 
     def _constraint(self, matcher: llguidance.LLMatcher) -> SequenceConstraint:
-        return SequenceConstraint(matcher, self._tokenizer.vocab_size, self.n_vocab, self.end_tokens)
+        return SequenceConstraint(matcher, self.tokenizer.vocab_size, self.n_vocab, self.end_tokens)
 
 
 Located = tuple[Pointer | None, str]
