@@ -71,7 +71,10 @@ class Engine:
             (None: as many as ``parallel``, at least 4); ``parallel + idle_sequences`` is the context's
             ``n_seq_max``, at most llama.cpp's limit.
         n_threads: llama.cpp's threads (None: one per CPU the process may use).
-        n_batch: the most tokens one decode evaluates.
+        n_batch: the most tokens one decode evaluates. The context's batch is no larger than a step
+            can fill, ``n_seq_max + prompt_rows_per_step`` rows (a generated token per sequence and
+            the prompt rows), since llama.cpp sizes its compute buffer for a full one (with the
+            default model, a 512-row batch's logits alone take 96 MiB).
         flash_attn: llama.cpp's flash attention; None (auto): on (docs/engine.md, "Flash
             attention"; deterministic mode needs it). Off, a sequence's logits depend slightly on
             where its cells lie and what is decoded beside it.
@@ -118,6 +121,8 @@ class Engine:
         n_seq = min(parallel + idle, int(llama_cpp.llama_max_parallel_sequences()))
         if n_seq < parallel:
             raise ValueError(f"parallel may be at most {n_seq}, got {parallel}")
+        if n_batch < 1 or prompt_rows_per_step < 1:
+            raise ValueError(f"n_batch and prompt_rows_per_step must be positive, got {n_batch}, {prompt_rows_per_step}")
         path = Path(model_path) if model_path is not None else default_model_path()
         self.model = Model(path, chat_template)
         try:
@@ -126,7 +131,8 @@ class Engine:
             threads = n_threads or len(os.sched_getaffinity(0))
             flash = flash_attention_for(flash_attn, deterministic)
             self.context = BatchContext(self.model, ContextSettings(
-                n_ctx=n_ctx, n_seq_max=n_seq, n_batch=n_batch, n_threads=threads, flash_attn=flash,
+                n_ctx=n_ctx, n_seq_max=n_seq, n_batch=min(n_batch, n_seq + prompt_rows_per_step),
+                n_threads=threads, flash_attn=flash,
                 kv_unified=not deterministic))
         except BaseException:
             self.model.close()
