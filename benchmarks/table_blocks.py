@@ -862,6 +862,10 @@ def serve_engine(results: Results) -> str:
                 line += (f"; `llama-batched-bench` on the same batch, {layout}: {num(eight['step_s'] * 1000, 1)} ms "
                          f"a step ({num(eight['tokens_per_s'], 1)} tokens/s; one sequence: "
                          f"{num(one.get('tokens_per_s'), 1)})")
+        ratios = [r for r in run.get("step_ratios") or [] if r is not None]
+        if len(ratios) > 1:
+            line += (f". That is the round with the median ratio of {len(ratios)} alternated rounds "
+                     f"(ratios {', '.join(num(r, 2) for r in sorted(ratios))})")
         parts.append(line + ".")
     deterministic = run.get("engine_step_deterministic")
     if deterministic and step:

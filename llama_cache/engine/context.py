@@ -152,7 +152,8 @@ class BatchContext:
 
     def decode(self, n_rows: int) -> None:
         """Evaluate the first ``n_rows`` rows of the batch arrays (``tokens``, ``positions``,
-        ``sequences``, ``wants_logits``), filled by the caller.
+        ``sequences``, ``wants_logits``), filled by the caller. Returns once the work is done (a GPU
+        backend's ``llama_decode`` returns when it is queued: the step budget times decodes).
 
         Raises:
             NoCells: the pool has no room for them; nothing was evaluated.
@@ -166,6 +167,7 @@ class BatchContext:
             raise NoCells()
         if code != 0:
             raise DecodeFailed(f"llama_decode returned {code}")
+        llama_cpp.llama_synchronize(self.pointer)
 
     def logits_row(self, row: int) -> npt.NDArray[np.float32]:
         """The logits of batch row ``row`` (it asked for them), as a writable view into llama.cpp's
