@@ -295,6 +295,24 @@ def test_damaged_chunks_give_shorter_hits_or_misses_never_wrong_bytes(fresh: Dep
     assert np.array_equal(found.seq_bytes(), state.prefix(32, None).seq_bytes())
 
 
+def test_a_hit_cut_short_keeps_its_own_bytes_not_the_reply_buffer(fresh: Deployment) -> None:
+    from llama_cache.caches.redis_transfer import REPLY_BUFFERS
+
+    cache = LlamaRedisCache(fresh.url, 10**9, fingerprint="test", chunk_tokens=64)
+    first = make_cut_state(range(3000), 3000 * 800)
+    second = make_cut_state(range(1, 3001), 3000 * 800)
+    cache[first.tokens] = first
+    cache[second.tokens] = second
+    raw_client(fresh).delete(b"llc:c:" + pieces("test", first.tokens, 64)[3].id.hex().encode())
+    short = cache[first.tokens]  # 3 of 47 chunks: the rest of the buffer read is not kept
+    assert short.n_tokens == 192 and np.array_equal(short.seq_bytes(), first.prefix(192, None).seq_bytes())
+    reuses = REPLY_BUFFERS.reuses
+    for _ in range(3):  # the short hit held, its buffer is lent again
+        assert np.array_equal(cache[second.tokens].seq_bytes(), second.seq_bytes())
+    assert REPLY_BUFFERS.reuses >= reuses + 2
+    assert np.array_equal(short.seq_bytes(), first.prefix(192, None).seq_bytes())
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_redis_evicting_on_its_own_never_gives_a_wrong_state(kind: str) -> None:
     with deploy(kind, ["--maxmemory", "3mb", "--maxmemory-policy", "allkeys-lru"]) as small:

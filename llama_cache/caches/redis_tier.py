@@ -520,6 +520,10 @@ class LlamaRedisCache(BaseLlamaCache):
             covered = start + usable
         if covered == 0:
             return None
+        if 2 * len(segments) < len(values):
+            # A hit cut short by a lost or damaged chunk: its chunks move out of the reply buffer, which
+            # the state would otherwise keep whole (and which later lookups then cannot reuse).
+            segments = [segment.slice_copy(0, plan.layout) for segment in segments]
         head = plan.head if covered == plan.length else None
         source = Head(plan.fingerprint, plan.seed, np.array(query[:covered], dtype=np.int32),
                       head.logits if head is not None else None, plan.chunk_tokens, plan.layout)
