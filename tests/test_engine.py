@@ -109,7 +109,8 @@ def test_a_short_prompt_is_read_before_a_long_one_admitted_with_it() -> None:
         assert first_sampled == ["short", "long"]
         # The context's batch holds what a step can carry, no more: a token per sequence, 16 prompt rows.
         assert engine.context.n_batch == engine.context.params.n_ubatch == len(engine.residency.residents) + 16
-        assert long.result()["usage"]["prompt_tokens"] > 16 * 30  # read in many steps
+        # and the long prompt was read 16 rows a step at most, in as many steps.
+        assert engine.scheduler.stats.steps >= long.result()["usage"]["prompt_tokens"] // 16
 
 
 def test_an_evicted_sequence_goes_to_the_tiers_and_comes_back_from_them() -> None:
