@@ -113,6 +113,82 @@ def test_a_short_prompt_is_read_before_a_long_one_admitted_with_it() -> None:
         assert engine.scheduler.stats.steps >= long.result()["usage"]["prompt_tokens"] // 16
 
 
+class _Held:
+    """A logits processor that holds the step loop at its first call until released, and records
+    the scheduler's evaluated-token count at every call (the rows of each step up to its own)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.entered, self.released = threading.Event(), threading.Event()
+        self.tokens: list[int] = []
+
+    def __call__(self, input_ids: object, scores: object) -> object:
+        self.tokens.append(self.engine.scheduler.stats.tokens)
+        self.entered.set()
+        self.released.wait(30)
+        return scores
+
+    def hold_costly_prompt_rows(self) -> None:
+        """While held, make prompt rows look costly: beside a sampling row a step may carry the floor."""
+        assert self.entered.wait(60)
+        budget = self.engine.scheduler.step_budget
+        budget.decode_step, budget.prompt_row = 0.001, 1.0
+        assert budget.rows(1) == budget.floor == 8
+
+
+def test_prompts_that_finish_go_whole_and_a_long_one_beside_them_reads_the_floor() -> None:
+    # Three later turns arriving together while a sequence generates are read in one step, beyond
+    # the time budget (read 8 rows a step, they would start one after another); the long first
+    # prompt admitted with them reads only the floor in that step.
+    with Engine(n_ctx=2048, parallel=5, prompt_rows_per_step=64) as engine:
+        held = _Held(engine)
+        running = engine.submit("Once upon a time, a small dog lived by the river and", max_tokens=24, temperature=0,
+                                logits_processor=[held])
+        held.hold_costly_prompt_rows()
+        first_steps: dict[str, int] = {}
+
+        def marks(name: str) -> list[object]:
+            def mark(input_ids: object, scores: object) -> object:
+                first_steps.setdefault(name, engine.scheduler.stats.steps)
+                return scores
+            return [mark]
+
+        long = engine.submit("Summarise: " + "the river runs to the sea and " * 60, max_tokens=2, temperature=0)
+        shorts = [engine.submit(text, max_tokens=2, temperature=0, logits_processor=marks(text))
+                  for text in ("Name a colour, please.", "What is two plus two?", "Say hello to the sea.")]
+        held.released.set()
+        for request in (running, long, *shorts):
+            request.result()
+        assert len(set(first_steps.values())) == 1  # every short prompt sampled in the same step
+        short_rows = sum(r.result()["usage"]["prompt_tokens"] - r.cached_tokens for r in shorts)
+        assert short_rows > 8
+        # The rows of the step after the hold (the generating sequence's, the short prompts', the long
+        # prompt's chunk) are what its sampler's next call counts beyond the one before.
+        step_rows = held.tokens[2] - held.tokens[1]
+        assert 1 <= step_rows - 1 - short_rows <= 8
+
+
+def test_a_long_prompt_beside_a_finishing_one_reads_the_floor_when_nothing_generates() -> None:
+    # A later turn's first token waits for the step that reads its few tokens: that step does not
+    # also read a cap's worth of another request's long prompt, though no sequence generates.
+    with Engine(n_ctx=2048, parallel=3, prompt_rows_per_step=64) as engine:
+        held = _Held(engine)
+        first = engine.submit("Tell me a story about a dog.", max_tokens=1, temperature=0, logits_processor=[held])
+        held.hold_costly_prompt_rows()
+        second = _Held(engine)
+        second.released.set()
+        long = engine.submit("Summarise: " + "the river runs to the sea and " * 60, max_tokens=2, temperature=0)
+        short = engine.submit("Name a colour, please.", max_tokens=2, temperature=0, logits_processor=[second])
+        held.released.set()
+        for request in (first, long, short):
+            request.result()
+        short_rows = short.result()["usage"]["prompt_tokens"] - short.cached_tokens
+        # The step after the hold read the short prompt and a chunk of the long one; the short
+        # sequence's second sample counts that step and its own next row.
+        step_rows = second.tokens[1] - 1 - held.tokens[0]
+        assert 1 <= step_rows - short_rows <= 8
+
+
 def test_an_evicted_sequence_goes_to_the_tiers_and_comes_back_from_them() -> None:
     cache = LlamaRAMCache(capacity_bytes=1 << 30)
     with Engine(n_ctx=512, parallel=1, idle_sequences=0, cache=cache) as engine:

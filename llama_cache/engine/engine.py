@@ -82,8 +82,9 @@ class Engine:
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).
         chat_template: a Jinja2 chat template instead of the model's.
-        prompt_rows_per_step: the most prompt tokens one step evaluates (fewer while sequences generate,
-            so that their next tokens wait at most about one decode step longer: see the serving docs).
+        prompt_rows_per_step: the most prompt tokens one step evaluates; a prompt that cannot finish
+            in the step reads fewer while other rows of it sample, so that their tokens wait at most
+            about one decode step longer (see the serving docs).
         checkpoint_interval: recurrent and hybrid models: prompt tokens between two checkpoints of
             a sequence's recurrent state, besides the one before a prompt's last token (see
             :mod:`.rollback`).

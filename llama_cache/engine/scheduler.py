@@ -9,13 +9,15 @@ Each step the :class:`Scheduler`
    sequence), and evaluates the rest. A generation whose head is being read right now by another
    (requests sent together on one system prompt) waits for that prefill and copies it, instead of
    reading it too;
-3. builds one batch: the next token of every generating sequence first, then prompt chunks of the
-   others, the shortest remaining prompt first, at most ``n_batch`` rows and at most
-   ``prompt_rows_per_step`` prompt rows; while any sequence generates, only as many prompt rows as keep
-   the step within twice a decode-only step, measured (:class:`~.step_budget.StepBudget`: a generating
-   sequence's next token waits for one bounded chunk, however long the prompts being read and however
-   full the pool; in deterministic mode, where each generation decodes alone, the cap alone); logits
-   only for the rows that sample;
+3. builds one batch: the next token of every generating sequence first, then the prompts of the
+   others, the shortest remaining prompt first, at most ``n_batch`` rows. Prompts that finish in
+   this step go whole, up to ``prompt_rows_per_step`` rows in all (several later turns arriving
+   together start answering together); then the first prompt that cannot finish reads a chunk, and
+   the step ends there. While any row of the step samples (a generated token, a prompt finishing),
+   that chunk is only as many rows as keep the step within twice a decode-only step, measured
+   (:class:`~.step_budget.StepBudget`), and at least its floor: a generating sequence's next token, or
+   a later turn's first one, waits for one bounded chunk of another request's long prompt, however
+   long that prompt and however full the pool. Logits only for the rows that sample;
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
    generation's ``on_token`` says whether it ends there.
 
@@ -154,8 +156,8 @@ class Scheduler:
         store: gives an evicted sequence's state to the cache tiers (never raises); None: evictions
             drop their state.
         max_running: generations running at once (the others wait); at most the sequence ids.
-        prompt_rows_per_step: the most prompt rows a step carries (fewer while sequences generate:
-            see :class:`~.step_budget.StepBudget`).
+        prompt_rows_per_step: the most prompt rows a step carries, a prompt that cannot finish in it
+            fewer while other rows sample (see :class:`~.step_budget.StepBudget`).
         deterministic: each generation's rows in decodes of their own (see the module's docstring);
             the context must give each sequence a stream of its own, with a cell to spare beyond
             what any generation holds.
@@ -561,15 +563,23 @@ class Scheduler:
         for generation in decoding[: context.n_batch]:
             plan.append((generation, rows, 1))
             rows += 1
-        budget = min(context.n_batch - rows, self.step_budget.rows(rows))
+        room = context.n_batch - rows
+        budget = self.step_budget
         free = self._free_cells() - rows
         chunk = DETERMINISTIC_ROWS if self.deterministic else context.n_batch
-        # Shortest remaining prompt first: a later turn's few new tokens are read in the next step
-        # instead of behind another request's long prompt (stable: oldest first among equals). At
-        # most ``parallel`` prompts compete, so a long one waits for a bounded number of short ones.
+        # Shortest remaining prompt first (stable: oldest first among equals). Prompts that finish in
+        # this step go whole, up to the cap in all: their rows cost the same read now or spread over
+        # steps, and read now, each answer starts a step later instead of a queue of steps later.
+        # Then the first prompt that cannot finish here reads a chunk: if any row of the step samples
+        # (a generated token, a prompt finishing), only what fits the measured time budget, at least
+        # its floor so that it advances behind any stream of short ones; and the step ends there.
         reading = sorted((g for g in self._running if not g.generating), key=lambda g: len(g.todo))
+        taken = 0
+        sampling = rows
         for generation in reading:
-            take = min(len(generation.todo), budget, chunk)
+            left = len(generation.todo)
+            whole = left <= min(chunk, room - taken, budget.cap - taken)
+            take = left if whole else min(left, chunk, room - taken, max(budget.rows(sampling) - taken, budget.floor))
             if take <= 0:
                 break
             if self.rollback is not None and not generation.sampled and generation.resident is not None:
@@ -582,8 +592,11 @@ class Scheduler:
                 break
             plan.append((generation, rows, take))
             rows += take
-            budget -= take
+            taken += take
             free -= take
+            if take < left:
+                break
+            sampling += 1
         if not plan and self._running and self._preempt_youngest():
             return self._plan()
         return plan

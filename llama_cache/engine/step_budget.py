@@ -1,13 +1,13 @@
-"""How many prompt rows a step may carry: bounded chunks, sized by measured time while sequences generate.
+"""How many prompt rows a step may carry: bounded chunks, sized by measured time while rows sample.
 
 With one unified KV pool every row attends over all the cells in use, so a prompt row's cost grows
 with what other sequences hold: beside four 2,000-token conversations a 128-row prompt chunk takes
 about a second on the project's 2-core machine, and every generating sequence waits that long for its
 next token. A fixed row count cannot be right both for a short pool and a full one; a time can. So,
-while any sequence generates, a step carries at most as many prompt rows as fit in ``slack`` times a
-step of decode rows alone, both measured as the engine runs (exponentially weighted means); prompts
-still advance by at least ``floor`` rows a step, so none waits forever behind a stream of short
-requests.
+while any row of a step samples (a generating sequence's next token, or for the scheduler a prompt
+finishing in the step), a prompt chunk carries at most as many rows as fit in ``slack`` times a step
+of decode rows alone, both measured as the engine runs (exponentially weighted means); prompts still
+advance by at least ``floor`` rows a step, so none waits forever behind a stream of short requests.
 
 A step that carries no decode row reads at most ``cap`` rows: llama.cpp's CPU prefill is no faster in
 larger ubatches (one run each of ``llama-batched-bench -m MODEL -c 4096 -b N -ub N -npp 1024 -ntg 1
@@ -28,7 +28,7 @@ class StepBudget:
 
     Args:
         cap: the most prompt rows in any step (at least 1).
-        slack: while sequences generate, a step may take ``1 + slack`` times a decode-only step.
+        slack: while rows sample, a step may take ``1 + slack`` times a decode-only step.
         floor: the fewest prompt rows a step with prompts to read carries (at most ``cap``).
         smoothing: weight of the newest measurement in the running means (0 < smoothing <= 1).
     """
@@ -48,7 +48,7 @@ class StepBudget:
         """Mean seconds a prompt row adds to a step (None: none measured yet)."""
 
     def rows(self, decode_rows: int) -> int:
-        """The most prompt rows a step beside ``decode_rows`` generating sequences' rows may carry."""
+        """The most prompt rows a step beside ``decode_rows`` rows that sample may carry."""
         decode_step, prompt_row = self.decode_step, self.prompt_row  # read once: metrics call this too
         if decode_rows == 0 or decode_step is None or prompt_row is None or prompt_row <= 0:
             return self.cap
