@@ -16,7 +16,7 @@ hybrid model each change is also reported to the checkpoint registry
 
 Memory: llama.cpp zero-fills the whole KV buffer when the context is made, which would keep every
 page of the pool resident; the context finds its buffer and gives those zero pages back
-(:mod:`.kv_pages`), so the pool costs memory as its cells are used.
+(:mod:`llama_cache.state.kv_pages`), so the pool costs memory as its cells are used.
 
 Thread-safety: none. One thread (the scheduler's) makes every call; the numpy views returned by
 :meth:`logits_row` are valid until its next :meth:`decode`.
@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.checkpoints import notify_seq_changed, notify_seq_removed
-from llama_cache.engine import kv_pages
+from llama_cache.state import kv_pages
 from llama_cache.engine.model import Model
 from llama_cache.state.kv_layout import prefaulted
 
@@ -155,7 +155,7 @@ class BatchContext:
         )
         self._closed = False
         self.kv_pages = self._locate_kv_pages(made)
-        """The KV buffer (None: not found, its pages stay resident): see :mod:`.kv_pages`."""
+        """The KV buffer (None: not found, its pages stay resident): see :mod:`llama_cache.state.kv_pages`."""
         self.kv_bytes_released = self.kv_pages.release_zero_pages() if self.kv_pages is not None else 0
         """Bytes of the zero-filled KV buffer given back to the system when the context was made."""
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from llama_cache import Engine, Llama, default_model_path
-from llama_cache.engine import kv_pages
+from llama_cache.state import kv_pages
 from llama_cache.engine.context import BatchContext, ContextSettings
 from llama_cache.engine.model import Model
-from llama_cache.engine.kv_pages import new_ranges
+from llama_cache.state.kv_pages import new_ranges
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps and madvise are Linux's")
 
@@ -125,3 +125,20 @@ def test_the_buffer_is_found_only_where_it_is() -> None:
     finally:
         context.close()
         model.close()
+
+
+@linux
+@pytest.mark.model
+def test_llama_gives_back_its_pool_and_answers_the_same() -> None:
+    before = _resident_kib()
+    llama = Llama(model_path=str(default_model_path()), verbose=False, n_ctx=16384, flash_attn=True)
+    try:
+        # 16,384 cells: 360 MiB of KV, all but the cells in use given back.
+        assert (_resident_kib() - before) * 1024 < 200 << 20
+        first = llama.create_completion("The three primary colours are", max_tokens=12, temperature=0)
+        llama.set_cache_namespace("another tenant")  # empties the context: llama.cpp zero-fills it again
+        assert (_resident_kib() - before) * 1024 < 200 << 20
+        again = llama.create_completion("The three primary colours are", max_tokens=12, temperature=0)
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    finally:
+        llama.close()

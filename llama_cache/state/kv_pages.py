@@ -35,12 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
 from llama_cache.state.kv_layout import KVLayout, KVSegment, parse_seq_state
 
-__all__ = ["KVPages", "Ranges", "locate", "mapped_ranges", "new_ranges"]
+__all__ = ["KVPages", "Ranges", "locate", "locate_single", "mapped_ranges", "new_ranges"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,16 @@ class KVPages:
     start: int
     size: int
 
+    def release_all(self) -> int:
+        """Give back the whole buffer, which the caller knows to be all zeros (llama.cpp has just
+        cleared it, ``llama_memory_clear`` with data). One ``madvise``; the bytes given back."""
+        first = -(-self.start // _PAGE) * _PAGE
+        last = (self.start + self.size) // _PAGE * _PAGE
+        madvise = _madvise()
+        if last <= first or madvise is None:
+            return 0
+        return last - first if madvise(first, last - first, _MADV_DONTNEED) == 0 else 0
+
     def release_zero_pages(self) -> int:
         """Give back every 64 KiB block of the buffer that holds only zeros; the bytes given back.
         Call only while the context is idle. O(buffer) reads, one ``madvise`` per such block."""
@@ -138,14 +149,24 @@ def locate(candidates: Ranges, probe: Callable[[], npt.NDArray[np.uint8] | None]
 
     Args:
         candidates: memory mapped while the context was made (:func:`new_ranges`).
-        probe: writes one token into an empty context's sequence 0 and returns that sequence's state
-            (``llama_state_seq_get_data``), or None; the caller removes the token afterwards.
+        probe: writes one token into an empty context's sequence 0, returns that sequence's state
+            (``llama_state_seq_get_data``) or None, and removes the token again.
         n_cells: the context's KV cells, all streams together.
         n_streams: its KV streams (a transposed V is checked with one stream only).
 
     Returns:
-        The buffer, or None when it cannot be found with certainty (see the module's docstring).
+        The buffer, or None when it cannot be found with certainty (see the module's docstring); a
+        failure on the way is None too (logged): this only saves memory.
     """
+    try:
+        return _locate(candidates, probe, n_cells, n_streams)
+    except Exception as error:  # noqa: BLE001 - saving memory must never fail the context's creation
+        logger.debug("the KV buffer could not be located: %s: %s", type(error).__name__, error)
+        return None
+
+
+def _locate(candidates: Ranges, probe: Callable[[], npt.NDArray[np.uint8] | None], n_cells: int,
+            n_streams: int) -> KVPages | None:
     if not candidates or n_cells < 1:
         return None
     state = probe()
@@ -177,6 +198,31 @@ def locate(candidates: Ranges, probe: Callable[[], npt.NDArray[np.uint8] | None]
         logger.debug("the KV buffer was not found (%d candidates); its pages stay resident", len(found))
         return None
     return KVPages(found[0], size)
+
+
+def locate_single(made: Ranges, context: Any, model: Any) -> KVPages | None:
+    """:func:`locate` for a new one-stream llama.cpp context (``llama_cpp.Llama``'s) of a transformer
+    model without sliding-window layers; None for anything else. Decodes one token into its
+    sequence 0 and removes it, so the context must be empty and idle."""
+    if (not made or llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+            or int(llama_cpp.llama_model_n_swa(model)) > 0 or int(llama_cpp.llama_n_seq_max(context)) != 1):
+        return None
+    memory = llama_cpp.llama_get_memory(context)
+
+    def probe() -> npt.NDArray[np.uint8] | None:
+        token = (llama_cpp.llama_token * 1)(max(0, int(llama_cpp.llama_vocab_bos(llama_cpp.llama_model_get_vocab(model)))))
+        try:
+            if llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(token, 1)) != 0:
+                return None
+            size = int(llama_cpp.llama_state_seq_get_size(context, 0))
+            data = np.empty(size, dtype=np.uint8)
+            written = llama_cpp.llama_state_seq_get_data(context, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                         size, 0)
+            return data if written == size else None
+        finally:
+            llama_cpp.llama_memory_seq_rm(memory, 0, 0, -1)
+
+    return locate(made, probe, int(llama_cpp.llama_n_ctx(context)))
 
 
 def _offsets(layout: KVLayout, n_cells: int) -> tuple[list[tuple[int, int]], int]:
