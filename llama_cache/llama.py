@@ -92,8 +92,8 @@ class Llama(llama_cpp.Llama):
         before = kv_pages.mapped_ranges()
         super().__init__(*args, **kwargs)
         # llama.cpp zero-fills the whole KV buffer: its pages are given back until cells use them.
-        self._kv_pages = kv_pages.locate_single(kv_pages.new_ranges(before, kv_pages.mapped_ranges()),
-                                                self._ctx.ctx, self._model.model)
+        self._kv_pages = None if kwargs.get("vocab_only") else kv_pages.locate_single(
+            kv_pages.new_ranges(before, kv_pages.mapped_ranges()), self._ctx.ctx, self._model.model)
         if self._kv_pages is not None:
             self._kv_pages.release_zero_pages()
         self.ctx_checkpoints = max(ctx_checkpoints, 0)
@@ -562,9 +562,13 @@ class Llama(llama_cpp.Llama):
 
     def _clear_context(self) -> None:
         """An empty context (its KV cells removed), nothing derived from what it held."""
-        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), True)
         if self._kv_pages is not None:
-            self._kv_pages.release_all()  # cleared: all zeros again
+            # llama.cpp's clear with data zero-fills the whole buffer, every page resident again: the
+            # cells are dropped without it and the buffer is made zeros by giving its pages back.
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), False)
+            self._kv_pages.zero()
+        else:
+            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), True)
         if self.checkpoints is not None:
             notify_memory_cleared(self._ctx.ctx)
         self.n_tokens = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -267,3 +268,40 @@ def test_stop_sequences_hold_back_what_may_start_one_and_cut_the_text() -> None:
     text = StopText([])
     assert text.add("é".encode()[:1]) == b"" and text.add("é".encode()[1:]) == "é".encode()
     assert text.finish() == b""
+
+
+def test_a_long_prompt_is_not_starved_by_a_stream_of_shorter_ones() -> None:
+    # Twenty prompts that each take two steps are all shorter than the long one admitted first:
+    # shortest first alone, the long prompt would wait for all of them; passed over STALLED_STEPS
+    # steps, it reads its chunk first.
+    from llama_cache.engine.scheduler import STALLED_STEPS
+
+    with Engine(n_ctx=8192, parallel=24, prompt_rows_per_step=64) as engine:
+        held = _Held(engine)
+        progress: list[int] = []
+        long_generation: list[Any] = []
+
+        def watch(input_ids: object, scores: object) -> object:
+            if long_generation:
+                progress.append(long_generation[0].prompt_evaluated)
+            return held(input_ids, scores)
+
+        running = engine.submit("Once upon a time, a small dog lived by the river and", max_tokens=40, temperature=0,
+                                logits_processor=[watch])
+        held.hold_costly_prompt_rows()
+        completions = engine.completions()
+        stream = completions.create_completion("Summarise: " + "the river runs to the sea and " * 40, max_tokens=1,
+                                               temperature=0, stream=True)
+        long_generation.append(completions.last_generation)
+        mediums = [engine.submit(f"Medium {i}: " + "a stone, a leaf, a cloud and " * 9, max_tokens=1, temperature=0)
+                   for i in range(20)]
+        long_tokens = len(long_generation[0].prompt)
+        assert all(64 < len(engine.model.tokenize(f"Medium {i}: {'a stone, a leaf, a cloud and ' * 9}".encode()))
+                   < long_tokens for i in range(20))
+        held.released.set()
+        list(stream)
+        for request in (running, *mediums):
+            request.result()
+        # The long prompt read its first chunk within STALLED_STEPS + 1 steps of the release.
+        first = next(i for i, evaluated in enumerate(progress) if evaluated > 0)
+        assert first <= STALLED_STEPS + 2

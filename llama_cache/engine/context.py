@@ -241,10 +241,15 @@ class BatchContext:
                 return self.read_sequence(0)
             except (NoCells, DecodeFailed):
                 return None
-            finally:
-                self.cut(0)
 
-        return kv_pages.locate(made, probe, self.n_ctx_seq * n_streams, n_streams)
+        def rewrite(data: npt.NDArray[np.uint8]) -> bool:
+            self.cut(0)
+            return self.write_sequence(0, data)
+
+        try:
+            return kv_pages.locate(made, probe, rewrite, self.n_ctx_seq * n_streams, n_streams)
+        finally:
+            self.cut(0)
 
     def read_sequence(self, sequence: int, flags: int = 0) -> npt.NDArray[np.uint8]:
         """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer (its pages

@@ -12,12 +12,15 @@ Each step the :class:`Scheduler`
 3. builds one batch: the next token of every generating sequence first, then the prompts of the
    others, the shortest remaining prompt first, at most ``n_batch`` rows. Prompts that finish in
    this step go whole, up to ``prompt_rows_per_step`` rows in all (several later turns arriving
-   together start answering together); then the first prompt that cannot finish reads a chunk, and
-   the step ends there. While any row of the step samples (a generated token, a prompt finishing),
-   that chunk is only as many rows as keep the step within twice a decode-only step, measured
-   (:class:`~.step_budget.StepBudget`), and at least its floor: a generating sequence's next token, or
-   a later turn's first one, waits for one bounded chunk of another request's long prompt, however
-   long that prompt and however full the pool. Logits only for the rows that sample;
+   together start answering together); then the prompts that cannot finish read chunks, the
+   shortest first, except that a prompt passed over for :data:`STALLED_STEPS` steps goes before them
+   (none starves behind a stream of shorter ones). While any row of the step samples (a generated
+   token, a prompt finishing), those chunks are only as many rows as keep the step within twice a
+   decode-only step, measured (:class:`~.step_budget.StepBudget`), and at least its floor: a
+   generating sequence's next token, or a later turn's first one, waits for one bounded chunk of
+   another request's long prompt, however long that prompt and however full the pool (prompts that
+   finish are not bounded so: a burst of short requests costs the streams one longer step, up to
+   the cap). Logits only for the rows that sample;
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
    generation's ``on_token`` says whether it ends there.
 
@@ -59,13 +62,16 @@ from llama_cache.engine.sampling import Sampler
 from llama_cache.engine.step_budget import StepBudget
 from llama_cache.state.llama_state import LlamaState
 
-__all__ = ["DETERMINISTIC_ROWS", "MIN_SHARED_TOKENS", "Generation", "Scheduler", "SchedulerStats"]
+__all__ = ["DETERMINISTIC_ROWS", "MIN_SHARED_TOKENS", "STALLED_STEPS", "Generation", "Scheduler", "SchedulerStats"]
 
 logger = logging.getLogger(__name__)
 
 MIN_SHARED_TOKENS = 32
 """The shortest head of another prefill in flight worth waiting for (chat prompts all share their
 template's first few tokens)."""
+
+STALLED_STEPS = 8
+"""A prompt passed over this many steps in a row reads its chunk before shorter ones (no starvation)."""
 
 DETERMINISTIC_ROWS = 63
 """The most rows of a decode in deterministic mode: llama.cpp's CPU flash attention tiles 64 query
@@ -117,6 +123,7 @@ class Generation:
     stored_row: npt.NDArray[np.float32] | None = None  # an exact repeat's logits row, to sample from
     admitted: bool = False
     order: int = 0
+    stalled: int = 0  # steps its prompt, unable to finish in one, was passed over
 
     def tokens(self) -> npt.NDArray[np.int32]:
         """Every token its sequence should hold: the prompt and the tokens sampled (the last one not
@@ -565,38 +572,63 @@ class Scheduler:
             rows += 1
         room = context.n_batch - rows
         budget = self.step_budget
-        free = self._free_cells() - rows
         chunk = DETERMINISTIC_ROWS if self.deterministic else context.n_batch
-        # Shortest remaining prompt first (stable: oldest first among equals). Prompts that finish in
-        # this step go whole, up to the cap in all: their rows cost the same read now or spread over
-        # steps, and read now, each answer starts a step later instead of a queue of steps later.
-        # Then the first prompt that cannot finish here reads a chunk: if any row of the step samples
-        # (a generated token, a prompt finishing), only what fits the measured time budget, at least
-        # its floor so that it advances behind any stream of short ones; and the step ends there.
-        reading = sorted((g for g in self._running if not g.generating), key=lambda g: len(g.todo))
-        taken = 0
-        sampling = rows
-        for generation in reading:
-            left = len(generation.todo)
-            whole = left <= min(chunk, room - taken, budget.cap - taken)
-            take = left if whole else min(left, chunk, room - taken, max(budget.rows(sampling) - taken, budget.floor))
-            if take <= 0:
-                break
+        # Prompts that finish in this step go whole, the shortest first, up to the cap in all: their rows
+        # cost the same read now or spread over steps, and read now, each answer starts a step later
+        # instead of a queue of steps later. A prompt stopped short of its end at a recurrent model's
+        # checkpoint goes on next step. Then the prompts that cannot finish here read chunks, the
+        # shortest first, but prompts passed over for STALLED_STEPS steps before them, the longest
+        # passed over (then the oldest) first, so that none waits forever behind a stream of shorter
+        # ones: if any row of the step samples (a generated token, a prompt finishing), only what fits
+        # the measured time budget, at least the floor.
+        free = self._free_cells() - rows
+
+        def fitted(generation: Generation, want: int) -> int:
+            """``want`` rows of ``generation``'s prompt, fewer to stop at a checkpoint or for want of cells."""
+            nonlocal free
+            take = want
             if self.rollback is not None and not generation.sampled and generation.resident is not None:
                 take = self.rollback.until_next(generation.resident.n, len(generation.prompt), take)
             if take > free:
                 self._make_room(rows + take)
                 free = self._free_cells() - rows
                 take = min(take, free)
+            return take
+
+        reading = sorted((g for g in self._running if not g.generating), key=lambda g: len(g.todo))
+        going_on: list[Generation] = []
+        taken = 0
+        sampling = rows
+        for generation in reading:
+            left = len(generation.todo)
+            if left > min(chunk, room - taken, budget.cap - taken):
+                going_on.append(generation)
+                continue
+            take = fitted(generation, left)
             if take <= 0:
                 break
             plan.append((generation, rows, take))
             rows += take
             taken += take
             free -= take
-            if take < left:
+            if take == left:
+                sampling += 1
+        limit = max(budget.rows(sampling) - taken, budget.floor)
+        stalled = sorted((g for g in going_on if g.stalled >= STALLED_STEPS), key=lambda g: (-g.stalled, g.order))
+        going_on = stalled + [g for g in going_on if g.stalled < STALLED_STEPS]
+        for generation in going_on:
+            want = min(len(generation.todo), chunk, room - taken, max(limit, 0))
+            take = fitted(generation, want) if want > 0 else 0
+            if take <= 0:
                 break
-            sampling += 1
+            plan.append((generation, rows, take))
+            rows += take
+            taken += take
+            free -= take
+            limit -= take
+        planned = {id(generation) for generation, _, _ in plan}
+        for generation in going_on:
+            generation.stalled = 0 if id(generation) in planned else generation.stalled + 1
         if not plan and self._running and self._preempt_youngest():
             return self._plan()
         return plan

@@ -27,7 +27,8 @@ class StepBudget:
     """Prompt rows per step (see the module's docstring). O(1) per call.
 
     Args:
-        cap: the most prompt rows in any step (at least 1).
+        cap: the most prompt rows in a step (at least 1), but for the floor of a prompt that cannot
+            finish, which may go beyond it.
         slack: while rows sample, a step may take ``1 + slack`` times a decode-only step.
         floor: the fewest prompt rows a step with prompts to read carries (at most ``cap``).
         smoothing: weight of the newest measurement in the running means (0 < smoothing <= 1).

@@ -191,6 +191,9 @@ def model_fingerprint(llm: llama_cpp.Llama) -> str:
     Raises:
         OSError: the model file (or LoRA file) cannot be read.
     """
+    if llm.model_params.vocab_only:  # no weights to describe (llama.cpp aborts on asking), no state to make
+        facts = {"file": file_identity(llm.model_path), "vocab_only": True, "n_vocab": int(llm.n_vocab())}
+        return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
     lora = [file_identity(llm.lora_path) if llm.lora_path else None, llm.lora_base, repr(float(llm.lora_scale))]
     return context_fingerprint(llm.model_path, llm._model.model, llm.context_params, int(llm.n_vocab()),
                                kv_overrides=llm.kv_overrides, lora=lora)

@@ -1,24 +1,31 @@
-"""The KV pool's memory as it is used: pages of cells nobody holds are given back to the system.
+"""The KV pool's memory as it is used: pages of cells never written are given back to the system.
 
 llama.cpp allocates a context's whole KV buffer at once and zero-fills it (``llama_kv_cache``'s
 constructor, so that unused cells read as zeros, not NaNs), which makes every page of it resident: an
 engine with a 32,768-cell pool holds 720 MiB of KV for the default model before its first request,
 and ``llama-server`` the same. Pages that are still all zeros can be handed back with
 ``madvise(MADV_DONTNEED)``: a private anonymous page read after that is a fresh zero page, so the
-buffer's contents are unchanged for llama.cpp, and memory then grows with the cells actually used (a
-page is mapped again when a cell in it is first written).
+buffer's contents are unchanged for llama.cpp, and memory then grows with the cells written (a page
+is mapped again when a cell in it is first written, and stays: memory follows the pool's high-water
+mark, not the cells in use now).
+
+What it does not change: the peak. The zero-fill makes every page resident for a moment while the
+context is made, before anything can be given back, so a process's peak resident set (``VmHWM``, a
+container's memory limit) still includes the whole pool once.
 
 The buffer's address is not in llama.cpp's API, so :func:`locate` finds it: one token is decoded into
 sequence 0 (cell 0), its K and V rows are read back with the state API, the first layer's K row is
-searched for in the memory mapped while the context was made, and the buffer's layout (every layer's
-K then V tensor, ``row bytes x cells`` each, in layer order) is checked at every layer's offset before
-the range is trusted. Anything unexpected (another layout, several matches, a recurrent or
-sliding-window memory, another OS) finds nothing, and the pages stay resident as they would anyway;
-so does a small buffer (under glibc's 32 MiB mmap threshold) that the allocator took from memory it
-already held rather than mapped anew.
+searched for in the memory mapped while the context was made, the buffer's layout (every layer's K
+then V tensor, ``row bytes x cells`` each, in layer order) is checked at every layer's offset, and a
+random K row written through the context must then show at the address found. Anything unexpected
+(another layout, no match or several, a recurrent, sliding-window or encoder model, another OS)
+finds nothing, and the pages stay resident as they would anyway; so does a small buffer (under
+glibc's 32 MiB mmap threshold) that the allocator took from memory it already held.
 
 Only the context's own KV buffer is ever discarded, and only while the context is idle (no decode
-runs): no other object's memory and no concurrent write can be affected.
+runs): no other object's memory and no concurrent write can be affected. Memory is read only through
+``process_vm_readv``, so a range another thread unmaps meanwhile is a failed read, not a crash. On a
+system whose transparent huge pages are ``always``, khugepaged may fill given-back ranges in again.
 
 Linux only (``/proc/self/maps``, ``madvise``); elsewhere :func:`mapped_ranges` is empty and
 :func:`locate` finds nothing. Not thread-safe: call on the thread that owns the context.
@@ -50,7 +57,7 @@ Ranges = list[tuple[int, int]]
 
 _PAGE = mmap.PAGESIZE
 _BLOCK = 64 << 10  # discard granularity: a 64 KiB block is given back only if all of it is zero
-_SEARCH_CHUNK = 64 << 20  # bytes compared at a time while searching (bounds the temporary arrays)
+_SEARCH_CHUNK = 4 << 20  # bytes copied and compared at a time while searching (bounds the memory it takes)
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
@@ -109,25 +116,26 @@ class KVPages:
     start: int
     size: int
 
-    def release_all(self) -> int:
-        """Give back the whole buffer, which the caller knows to be all zeros (llama.cpp has just
-        cleared it, ``llama_memory_clear`` with data). One ``madvise``; the bytes given back."""
+    def zero(self) -> None:
+        """Make the whole buffer zeros, as llama.cpp's clear with data does, without making its pages
+        resident: its whole pages are given back (they read as zeros), the partial pages at its ends
+        are zero-filled. Call only while the context is idle. One ``madvise``."""
         first = -(-self.start // _PAGE) * _PAGE
         last = (self.start + self.size) // _PAGE * _PAGE
         madvise = _madvise()
-        if last <= first or madvise is None:
-            return 0
-        return last - first if madvise(first, last - first, _MADV_DONTNEED) == 0 else 0
+        if last <= first or madvise is None or madvise(first, last - first, _MADV_DONTNEED) != 0:
+            ctypes.memset(self.start, 0, self.size)
+            return
+        ctypes.memset(self.start, 0, first - self.start)
+        ctypes.memset(last, 0, self.start + self.size - last)
 
     def release_zero_pages(self) -> int:
         """Give back every 64 KiB block of the buffer that holds only zeros; the bytes given back.
         Call only while the context is idle. O(buffer) reads, one ``madvise`` per such block."""
         first = -(-self.start // _BLOCK) * _BLOCK
         last = (self.start + self.size) // _BLOCK * _BLOCK
-        if last <= first:
-            return 0
         madvise = _madvise()
-        if madvise is None:
+        if last <= first or madvise is None:
             return 0
         blocks = _view(first, last - first, np.uint64).reshape(-1, _BLOCK // 8)
         released = 0
@@ -143,14 +151,24 @@ class KVPages:
         return released
 
 
-def locate(candidates: Ranges, probe: Callable[[], npt.NDArray[np.uint8] | None], n_cells: int,
-           n_streams: int = 1) -> KVPages | None:
+Probe = Callable[[], "npt.NDArray[np.uint8] | None"]
+"""Writes one token into the new context's empty sequence 0 and returns that sequence's state
+(``llama_state_seq_get_data``), or None; the token stays until the caller empties the sequence."""
+
+Rewrite = Callable[["npt.NDArray[np.uint8]"], bool]
+"""Empties sequence 0 and writes the given one-token state into it (``llama_state_seq_set_data``);
+False if llama.cpp refused it."""
+
+
+def locate(candidates: Ranges, probe: Probe, rewrite: Rewrite, n_cells: int, n_streams: int = 1) -> KVPages | None:
     """Find the KV buffer of a context made while the ``candidates`` ranges were mapped.
 
     Args:
         candidates: memory mapped while the context was made (:func:`new_ranges`).
-        probe: writes one token into an empty context's sequence 0, returns that sequence's state
-            (``llama_state_seq_get_data``) or None, and removes the token again.
+        probe: see :data:`Probe`.
+        rewrite: see :data:`Rewrite`. The buffer is confirmed by writing the probe's state with its
+            first K row replaced by random bytes and reading them back at the address found: only
+            this context can have written them. The caller empties sequence 0 afterwards.
         n_cells: the context's KV cells, all streams together.
         n_streams: its KV streams (a transposed V is checked with one stream only).
 
@@ -159,14 +177,13 @@ def locate(candidates: Ranges, probe: Callable[[], npt.NDArray[np.uint8] | None]
         failure on the way is None too (logged): this only saves memory.
     """
     try:
-        return _locate(candidates, probe, n_cells, n_streams)
+        return _locate(candidates, probe, rewrite, n_cells, n_streams)
     except Exception as error:  # noqa: BLE001 - saving memory must never fail the context's creation
         logger.debug("the KV buffer could not be located: %s: %s", type(error).__name__, error)
         return None
 
 
-def _locate(candidates: Ranges, probe: Callable[[], npt.NDArray[np.uint8] | None], n_cells: int,
-            n_streams: int) -> KVPages | None:
+def _locate(candidates: Ranges, probe: Probe, rewrite: Rewrite, n_cells: int, n_streams: int) -> KVPages | None:
     if not candidates or n_cells < 1:
         return None
     state = probe()
@@ -194,35 +211,56 @@ def _locate(candidates: Ranges, probe: Callable[[], npt.NDArray[np.uint8] | None
             base = address - 8 * at
             if start <= base and base + size <= end and _laid_out(reader, base, layout, segment, offsets, n_cells):
                 found.append(base)
-    if len(found) != 1:
+    if not found or len(found) > 16:
         logger.debug("the KV buffer was not found (%d candidates); its pages stay resident", len(found))
         return None
-    return KVPages(found[0], size)
+    # The same bytes could sit in another context of the same model made meanwhile: write a nonce
+    # through this context and keep the one candidate where it shows.
+    marked = np.array(state, dtype=np.uint8, copy=True)
+    parsed = parse_seq_state(marked)
+    if parsed is None or not np.shares_memory(parsed[1].k[0], marked):
+        return None
+    nonce = np.frombuffer(os.urandom(len(row)), dtype=np.uint8)
+    parsed[1].k[0][0][:] = nonce
+    if not rewrite(marked):
+        return None
+    confirmed = [base for base in found if reader.equals(base, nonce)]
+    if len(confirmed) != 1:
+        logger.debug("the KV buffer was not confirmed (%d of %d candidates)", len(confirmed), len(found))
+        return None
+    return KVPages(confirmed[0], size)
 
 
 def locate_single(made: Ranges, context: Any, model: Any) -> KVPages | None:
-    """:func:`locate` for a new one-stream llama.cpp context (``llama_cpp.Llama``'s) of a transformer
-    model without sliding-window layers; None for anything else. Decodes one token into its
-    sequence 0 and removes it, so the context must be empty and idle."""
-    if (not made or llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
-            or int(llama_cpp.llama_model_n_swa(model)) > 0 or int(llama_cpp.llama_n_seq_max(context)) != 1):
+    """:func:`locate` for a new one-stream llama.cpp context (``llama_cpp.Llama``'s) of a decoder-only
+    transformer model without sliding-window layers; None for anything else (a context without
+    memory, e.g. ``vocab_only``, among them). Writes into its sequence 0 and empties it again, so the
+    context must be empty and idle."""
+    memory = llama_cpp.llama_get_memory(context) if context else None
+    if (not made or not memory or llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model)
+            or llama_cpp.llama_model_has_encoder(model) or int(llama_cpp.llama_model_n_swa(model)) > 0
+            or int(llama_cpp.llama_n_seq_max(context)) != 1):
         return None
-    memory = llama_cpp.llama_get_memory(context)
 
     def probe() -> npt.NDArray[np.uint8] | None:
         token = (llama_cpp.llama_token * 1)(max(0, int(llama_cpp.llama_vocab_bos(llama_cpp.llama_model_get_vocab(model)))))
-        try:
-            if llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(token, 1)) != 0:
-                return None
-            size = int(llama_cpp.llama_state_seq_get_size(context, 0))
-            data = np.empty(size, dtype=np.uint8)
-            written = llama_cpp.llama_state_seq_get_data(context, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
-                                                         size, 0)
-            return data if written == size else None
-        finally:
-            llama_cpp.llama_memory_seq_rm(memory, 0, 0, -1)
+        if llama_cpp.llama_decode(context, llama_cpp.llama_batch_get_one(token, 1)) != 0:
+            return None
+        size = int(llama_cpp.llama_state_seq_get_size(context, 0))
+        data = np.empty(size, dtype=np.uint8)
+        written = llama_cpp.llama_state_seq_get_data(context, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)), size, 0)
+        return data if written == size else None
 
-    return locate(made, probe, int(llama_cpp.llama_n_ctx(context)))
+    def rewrite(data: npt.NDArray[np.uint8]) -> bool:
+        llama_cpp.llama_memory_seq_rm(memory, 0, 0, -1)
+        read = llama_cpp.llama_state_seq_set_data(context, data.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8)),
+                                                  len(data), 0)
+        return int(read) == len(data)
+
+    try:
+        return locate(made, probe, rewrite, int(llama_cpp.llama_n_ctx(context)))
+    finally:
+        llama_cpp.llama_memory_seq_rm(memory, 0, 0, -1)
 
 
 def _offsets(layout: KVLayout, n_cells: int) -> tuple[list[tuple[int, int]], int]:
