@@ -120,3 +120,35 @@ def test_checkpoints_larger_than_their_budget_are_not_kept(tiny_model_paths: dic
 def test_a_transformer_engine_has_no_rollback() -> None:
     with Engine(n_ctx=512, parallel=1) as engine:
         assert engine.rollback is None
+
+
+def test_prompts_stopped_at_checkpoints_all_advance_in_one_step(tiny_model_paths: dict[str, Path]) -> None:
+    # Each short prompt stops before its last token (a checkpoint is saved there): that stop does not
+    # end the step, so two prompts sent together sample their first tokens in the same step.
+    from llama_cache.engine.sequences import LogitBias
+
+    with Engine(tiny_model_paths["mamba"], n_ctx=1024, parallel=3, checkpoint_interval=INTERVAL) as engine:
+        entered, released = threading.Event(), threading.Event()
+        first_steps: dict[str, int] = {}
+
+        def hold(input_ids: Any, scores: Any) -> Any:
+            entered.set()
+            released.wait(30)
+            return scores
+
+        def mark(name: str) -> list[Any]:
+            def record(input_ids: Any, scores: Any) -> Any:
+                first_steps.setdefault(name, engine.scheduler.stats.steps)
+                return scores
+            return [record]
+
+        ends = [t for t in range(engine.model.n_vocab) if engine.model.is_end(t)]
+        running = engine.submit(SYSTEM + QUESTIONS[0], max_tokens=16, temperature=0,
+                                logits_processor=[LogitBias(dict.fromkeys(ends, -1e9)), hold])
+        assert entered.wait(60)
+        first = engine.submit("Q: one?", max_tokens=1, temperature=0, logits_processor=mark("one"))
+        second = engine.submit("Q: two, please?", max_tokens=1, temperature=0, logits_processor=mark("two"))
+        released.set()
+        for request in (running, first, second):
+            request.result()
+        assert len(first_steps) == 2 and first_steps["one"] == first_steps["two"]
