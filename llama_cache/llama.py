@@ -39,7 +39,6 @@ import numpy.typing as npt
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
 from llama_cache.detokenizer import Detokenizer
-from llama_cache.state import kv_pages
 from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.state.fingerprint import model_description, model_fingerprint, namespaced_fingerprint
 from llama_cache.state.kv_layout import prefaulted
@@ -89,13 +88,7 @@ class Llama(llama_cpp.Llama):
         if cache is not None and not isinstance(cache, llama_cpp.llama_cache.BaseLlamaCache):
             raise TypeError(f"cache must be a BaseLlamaCache, got {type(cache).__name__}")
         route_llama_cpp_logs()  # llama.cpp's warnings on stderr only when verbose
-        before = kv_pages.mapped_ranges()
         super().__init__(*args, **kwargs)
-        # llama.cpp zero-fills the whole KV buffer: its pages are given back until cells use them.
-        self._kv_pages = None if kwargs.get("vocab_only") else kv_pages.locate_single(
-            kv_pages.new_ranges(before, kv_pages.mapped_ranges()), self._ctx.ctx, self._model.model)
-        if self._kv_pages is not None:
-            self._kv_pages.release_zero_pages()
         self.ctx_checkpoints = max(ctx_checkpoints, 0)
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_on_device = bool(checkpoint_on_device)
@@ -547,8 +540,6 @@ class Llama(llama_cpp.Llama):
         self._last_logits_pos = -1
         try:
             super().load_state(state)
-            if self._kv_pages is not None:  # llama.cpp cleared the buffer before writing the state's cells
-                self._kv_pages.release_zero_pages()
         except RuntimeError as error:  # llama.cpp refused the bytes: another model, a damaged state
             self._after_refused_state()
             logger.warning("cache miss: llama.cpp refused a llama-cpp-python state: %s", error)
@@ -562,13 +553,7 @@ class Llama(llama_cpp.Llama):
 
     def _clear_context(self) -> None:
         """An empty context (its KV cells removed), nothing derived from what it held."""
-        if self._kv_pages is not None:
-            # llama.cpp's clear with data zero-fills the whole buffer, every page resident again: the
-            # cells are dropped without it and the buffer is made zeros by giving its pages back.
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), False)
-            self._kv_pages.zero()
-        else:
-            llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), True)
+        llama_cpp.llama_memory_clear(llama_cpp.llama_get_memory(self._ctx.ctx), True)
         if self.checkpoints is not None:
             notify_memory_cleared(self._ctx.ctx)
         self.n_tokens = 0

@@ -36,7 +36,6 @@ def test_a_repeat_and_another_conversation_go_back_to_checkpoints(tiny_model_pat
     expected = [_fresh(path, question) for question in QUESTIONS]
     with Engine(path, n_ctx=1024, parallel=1, checkpoint_interval=INTERVAL) as engine:
         assert engine.rollback is not None
-        assert engine.context.kv_pages is None  # recurrent memory is laid out otherwise: left as it is
         first, cached, n = _ask(engine, QUESTIONS[0])
         assert (first, cached) == (expected[0], 0)
         # The sequence holds prompt + answer; the repeat goes back to just before the prompt's last token.

@@ -14,10 +14,6 @@ cells shared, nothing copied; per-sequence streams: the source's state written i
 hybrid model each change is also reported to the checkpoint registry
 (:mod:`llama_cache.checkpoints.registry`), which drops the checkpoints it invalidates.
 
-Memory: llama.cpp zero-fills the whole KV buffer when the context is made, which would keep every
-page of the pool resident; the context finds its buffer and gives those zero pages back
-(:mod:`llama_cache.state.kv_pages`), so the pool costs memory as its cells are used.
-
 Thread-safety: none. One thread (the scheduler's) makes every call; the numpy views returned by
 :meth:`logits_row` are valid until its next :meth:`decode`.
 """
@@ -33,7 +29,6 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.checkpoints import notify_seq_changed, notify_seq_removed
-from llama_cache.state import kv_pages
 from llama_cache.engine.model import Model
 from llama_cache.state.kv_layout import prefaulted
 
@@ -119,9 +114,7 @@ class BatchContext:
         params.no_perf = True
         self.params = params
         """The ``llama_context_params`` used (what a state's fingerprint records)."""
-        before = kv_pages.mapped_ranges()
         pointer = llama_cpp.llama_init_from_model(model.pointer, params)
-        made = kv_pages.new_ranges(before, kv_pages.mapped_ranges())
         if not pointer:
             raise ValueError(f"llama.cpp could not make a context of {settings.n_ctx} cells")
         self.pointer: Any = pointer
@@ -154,10 +147,6 @@ class BatchContext:
             logits=self.wants_logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
         self._closed = False
-        self.kv_pages = self._locate_kv_pages(made)
-        """The KV buffer (None: not found, its pages stay resident): see :mod:`llama_cache.state.kv_pages`."""
-        self.kv_bytes_released = self.kv_pages.release_zero_pages() if self.kv_pages is not None else 0
-        """Bytes of the zero-filled KV buffer given back to the system when the context was made."""
 
     # -- evaluation --------------------------------------------------------------------------------
 
@@ -223,33 +212,6 @@ class BatchContext:
         if self.model.recurrent:
             notify_seq_removed(self.pointer, sequence, start, -1)
         return removed
-
-    def _locate_kv_pages(self, made: kv_pages.Ranges) -> kv_pages.KVPages | None:
-        """Find this new context's KV buffer in the memory ``made`` while it was made (transformer
-        memory only: a recurrent or sliding-window one is laid out otherwise)."""
-        if self.model.recurrent or int(llama_cpp.llama_model_n_swa(self.model.pointer)) > 0 or not made:
-            return None
-        n_streams = 1 if self.shares_cells else self.settings.n_seq_max
-
-        def probe() -> npt.NDArray[np.uint8] | None:
-            self.tokens[0] = max(0, self.model.bos)
-            self.positions[0] = 0
-            self.sequences[0] = 0
-            self.wants_logits[0] = 1
-            try:
-                self.decode(1)
-                return self.read_sequence(0)
-            except (NoCells, DecodeFailed):
-                return None
-
-        def rewrite(data: npt.NDArray[np.uint8]) -> bool:
-            self.cut(0)
-            return self.write_sequence(0, data)
-
-        try:
-            return kv_pages.locate(made, probe, rewrite, self.n_ctx_seq * n_streams, n_streams)
-        finally:
-            self.cut(0)
 
     def read_sequence(self, sequence: int, flags: int = 0) -> npt.NDArray[np.uint8]:
         """llama.cpp's state of one sequence (``llama_state_seq_get_data_ext``), a fresh buffer (its pages
