@@ -21,12 +21,16 @@ Servers, each started as a subprocess on a free port:
   (outside the repository) from the llama.cpp sources vendored in llama-cpp-python's sdist::
 
       pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36 && tar xzf llama_cpp_python-0.3.36.tar.gz
+      export CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" CXXFLAGS="$CFLAGS"  # x86_64 only
       cd llama_cpp_python-0.3.36 && cmake -B build vendor/llama.cpp -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-          -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
-      nice -n 19 cmake --build build --target llama-server -j2
-      mkdir -p ~/.cache/llama-cache/llama-server && cp build/bin/llama-server ~/.cache/llama-cache/llama-server/
+          -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF
+      nice -n 19 cmake --build build --target llama-server llama-batched-bench -j2
+      mkdir -p ~/.cache/llama-cache/llama-server
+      cp build/bin/llama-server build/bin/llama-batched-bench ~/.cache/llama-cache/llama-server/
 
-  (``BUILD_SHARED_LIBS=OFF``: one self-contained binary, llama.cpp and ggml linked in.)
+  (``BUILD_SHARED_LIBS=OFF``: one self-contained binary, llama.cpp and ggml linked in; the AMX flags
+  are the ones ``tools/llama_cpp_build`` gives llama-cpp-python's build, so that both run the same
+  kernels; ``llama-batched-bench`` is ``serve_engine.py``'s decode limit.)
 
 Like is compared with like: every server but ``llama-cpp-python-defaults`` gets the same model,
 context size per request (``--n-ctx``;
