@@ -48,8 +48,10 @@ decoding together, against ``llama-batched-bench``'s time for the same batch (``
 threads and flash attention, its KV split in a stream per sequence, its default, and unified with
 ``-kvu``, the engine's layout; issue target: our step at most 1.15x the faster of the two), with the
 Python around each
-decode (step time less decode time); measured as the difference of two runs of 128 and 64 generated
-tokens, so that the prompts' evaluation cancels out. The three are run ``--rounds`` times, alternated
+decode (step time less decode time); measured as the difference of two runs of 128 and 1 generated
+tokens, so that the prompts' evaluation cancels out and the steps left are every decode of the 128
+tokens, over the same cells in use as ``llama-batched-bench``'s ``-ntg 128`` (each step's attention
+grows with them: the last 64 steps alone cost more than the average). The three are run ``--rounds`` times, alternated
 (the machine's speed drifts by more than the target's margin between runs a minute apart), and the
 round with the median ratio is reported (``step_ratios``: every round's). And **deterministic**: the same 8 sequences in
 deterministic mode, the throughput it costs.
@@ -293,12 +295,15 @@ def batched_bench(binary: Path | None, threads: int, flash_attn: bool, unified: 
 
 
 def engine_steps(sequences: int, threads: int, flash_attn: bool, deterministic: bool) -> dict[str, Any]:
-    """The engine's decode step with ``sequences`` sequences generating, from two runs of 128 and 64
-    tokens (their difference: 64 steps of pure decoding)."""
+    """The engine's decode step with ``sequences`` sequences generating, from two runs of 128 and 1
+    tokens (their difference: the decode steps of 128 tokens after the prompts, as
+    ``llama-batched-bench -npp 32 -ntg 128`` times them)."""
     runs = {}
-    for tokens in (128, 64):
+    for tokens in (128, 1):
+        # Every prompt is read in the first step (prompt_rows_per_step holds them all), so both runs
+        # start decoding together and their difference is decode steps only.
         with Engine(n_ctx=8192, parallel=sequences, n_threads=threads, flash_attn=flash_attn,
-                    deterministic=deterministic) as engine:
+                    deterministic=deterministic, prompt_rows_per_step=512) as engine:
             # Never ending early: every sequence generates all its tokens.
             ends = [t for t in range(engine.model.n_vocab) if engine.model.is_end(t)]
             bias = LogitBias(dict.fromkeys(ends, -1e9))
@@ -310,7 +315,7 @@ def engine_steps(sequences: int, threads: int, flash_attn: bool, deterministic: 
             stats = engine.scheduler.stats
             runs[tokens] = {"steps": stats.steps, "step_s": stats.step_seconds, "decode_s": stats.decode_seconds,
                             "generated": generated, "seconds": elapsed}
-    long, short = runs[128], runs[64]
+    long, short = runs[128], runs[1]
     steps = long["steps"] - short["steps"]
     step = (long["step_s"] - short["step_s"]) / steps
     decode = (long["decode_s"] - short["decode_s"]) / steps

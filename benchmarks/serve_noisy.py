@@ -94,6 +94,7 @@ from benchmarks.sse import Stream
 from llama_cache import default_model_path
 from llama_cache.detokenizer import Detokenizer
 from llama_cache.engine.context import flash_attention_for
+from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.server.config import DEFAULT_MAX_BODY_BYTES, on_off, physical_cores
 
 SERVERS = ("llama-cache", "llama-server")
@@ -499,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     import llama_cpp
 
     model = default_model_path()
+    route_llama_cpp_logs()  # llama-cpp-python would print llama.cpp's warnings despite verbose=False
     probe = llama_cpp.Llama(str(model), vocab_only=True, verbose=False)
     pieces = Detokenizer.for_llama(probe)  # every piece whole: the server's bound counts the longest
     max_token_bytes = max(len(pieces.piece(t, special=True)) for t in range(probe.n_vocab()))

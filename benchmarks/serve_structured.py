@@ -87,6 +87,7 @@ from benchmarks.servers import (
 )
 from benchmarks.sse import read_stream
 from llama_cache import default_model_path
+from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.server.config import on_off, physical_cores
 
 SERVERS = ("llama-cache", "llama-server")
@@ -232,6 +233,7 @@ def n_prompts(tokens: int, seed: int) -> NPrompts:
 
     from llama_cache.server.prompts import prompt_tokens_for_chat
 
+    route_llama_cpp_logs()  # llama-cpp-python would print llama.cpp's warnings despite verbose=False
     probe = llama_cpp.Llama(str(default_model_path()), vocab_only=True, verbose=False)
     prompts = NPrompts(1000, {}, random.Random(0))
     per_word = len(prompt_tokens_for_chat(probe, prompts.messages())) / 1000

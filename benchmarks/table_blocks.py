@@ -634,6 +634,23 @@ def serve_noisy(results: Results) -> str:
 
 # The README's headline table ---------------------------------------------------------------------
 
+HEADLINE_SCRIPTS = {"lookup": "benchmarks/lookup.py", "bench": "llama-cache bench", "restore": "benchmarks/restore.py",
+                    "recurrent": "benchmarks/recurrent.py", "serve": "benchmarks/serve.py"}
+"""The headline's result files, in row order, and the script that writes each."""
+
+
+def _machines(results: Results, scripts: dict[str, str]) -> str:
+    """Each machine the results were measured on, with its cores; when they differ, the scripts run on each."""
+    by_machine: dict[str, list[str]] = {}
+    for name, script in scripts.items():
+        machine = results[name].get("machine", {})
+        label = f"{machine.get('cpu', 'unknown CPU')}, {machine.get('physical_cores', '?')} cores"
+        by_machine.setdefault(label, []).append(f"`{script}`")
+    if len(by_machine) == 1:
+        return next(iter(by_machine))
+    return "; ".join(f"{label} ({', '.join(names)})" for label, names in by_machine.items())
+
+
 @renders("headline")
 def headline(results: Results) -> str:
     lookups, bench_run, restores = results["lookup"], results["bench"], results["restore"]
@@ -687,9 +704,8 @@ def headline(results: Results) -> str:
     return "\n\n".join([
         table(["what", "llama-cache", f"llama-cpp-python {bench_run['machine'].get('llama_cpp_python', '')}".strip()],
               rows),
-        f"{bench_run['machine'].get('cpu', '')}, {bench_run['machine'].get('physical_cores', '?')} cores, no GPU, "
-        "the default model; each row's two sides measured in one run. Rows by script: `benchmarks/lookup.py`, "
-        "`llama-cache bench`, `benchmarks/restore.py`, `benchmarks/recurrent.py`, `benchmarks/serve.py`.",
+        f"{_machines(results, HEADLINE_SCRIPTS)}, no GPU, the default model; each row's two sides measured in one "
+        "run. Rows by script: " + ", ".join(f"`{script}`" for script in HEADLINE_SCRIPTS.values()) + ".",
     ])
 
 
