@@ -300,8 +300,8 @@ def engine_steps(sequences: int, threads: int, flash_attn: bool, deterministic: 
     ``llama-batched-bench -npp 32 -ntg 128`` times them)."""
     runs = {}
     for tokens in (128, 1):
-        # Every prompt is read in the first step (prompt_rows_per_step holds them all), so both runs
-        # start decoding together and their difference is decode steps only.
+        # No prompt waits for the step budget (prompt_rows_per_step holds them all), so both runs read
+        # the prompts in the same steps and their difference is decode steps only.
         with Engine(n_ctx=8192, parallel=sequences, n_threads=threads, flash_attn=flash_attn,
                     deterministic=deterministic, prompt_rows_per_step=512) as engine:
             # Never ending early: every sequence generates all its tokens.
