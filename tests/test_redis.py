@@ -791,3 +791,32 @@ def test_a_store_landing_between_a_lookups_commands_is_waited_for_not_a_shorter_
     finally:
         writer.close()
         reader.close()
+
+
+def test_a_store_landing_between_a_lookups_two_round_trips_is_waited_for_not_a_torn_hit(
+        fresh: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
+    from llama_cache.caches import redis_tier
+
+    writer = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    reader = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8, in_flight_seconds=60)
+    turn = make_cut_state(range(45), 45 * 100)
+    writer[range(20)] = turn.prefix(20, None)  # the chain breaks after two chunks: a second trip
+    real = redis_tier.pipelined
+    armed = [True]
+
+    def between(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], **options: Any) -> list[Any]:
+        if armed and not any(args[0] == "MGET" for _, args in commands):  # the reader's second trip
+            armed.clear()
+            writer[range(45)] = turn  # lands after the first trip read the chain, before the second
+        return real(client, commands, **options)
+
+    try:
+        writer.announce(range(45))
+        monkeypatch.setattr(redis_tier, "pipelined", between)
+        found = reader[[*range(45), 99, 98]]
+        assert not armed and reader.waits == 1
+        assert found.n_tokens == 45  # the whole view after the store, not its children beside the chain before
+        assert np.array_equal(found.seq_bytes(), turn.seq_bytes())
+    finally:
+        writer.close()
+        reader.close()

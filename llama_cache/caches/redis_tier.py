@@ -421,7 +421,9 @@ class LlamaRedisCache(BaseLlamaCache):
         One round trip asks, for each of the query's full chunks, whether its id is stored (one field
         of its predecessor's prefix index), and which child of the last one shares most of the
         query's remaining tokens (one field per remaining token); a second is needed only when the
-        chain breaks earlier, to ask the same of the chunk where it breaks. The cost of each is the
+        chain breaks earlier, to ask the same of the chunk where it breaks (and to read that chunk's
+        marker again: when it changed, a store landed between the trips and the lookup asks once
+        more rather than answer a torn view's shorter hit). The cost of each is the
         query's length, whatever the number of entries or of children. The first also reads the
         in-flight markers (:meth:`announce`) of every chunk on the query's path, in one ``MGET``,
         before anything else: the namespace's keys live on one node, which runs a pipeline's commands
@@ -465,19 +467,27 @@ class LlamaRedisCache(BaseLlamaCache):
             return self._find_once(query, fingerprint) if size is None or self.chunk_tokens is None else (None, False)
         present = found[: len(ids)]
         unbroken = next((k for k, ident in enumerate(ids) if present[k] != ident.hex().encode()), len(ids))
+        marker = in_flight[unbroken] if isinstance(in_flight, list) and len(in_flight) > unbroken else None
+        if self._announced.get(markers[unbroken], 0.0) > time.monotonic():
+            # This process's own store: the faster tier it answered from holds that state already.
+            marker = None
+        torn = False
         if unbroken == len(ids):
             children = found[len(ids)] if len(found) > len(ids) else None
         else:
             prev = ids[unbroken - 1] if unbroken else b""
             rest = blob[4 * unbroken * chunk_tokens :]
-            asked = _ask_children(fingerprint, prev, rest, chunk_tokens)
-            children = self._call("lookup", lambda: pipelined(self._client, asked)[0])
+            # The marker where the chain broke is read again, first: a store landing between the two
+            # round trips would give children from after it beside a chain from before it, a torn,
+            # shorter view that no longer sees the marker the store deleted.
+            asked = [(markers[unbroken], ("GET", markers[unbroken])),
+                     *_ask_children(fingerprint, prev, rest, chunk_tokens)]
+            second = self._call("lookup", lambda: pipelined(self._client, asked))
+            again, children = second if isinstance(second, list) and len(second) == 2 else (marker, None)
+            torn = marker is not None and again != marker
         plan = _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
-        marker = in_flight[unbroken] if isinstance(in_flight, list) and len(in_flight) > unbroken else None
-        if self._announced.get(markers[unbroken], 0.0) > time.monotonic():
-            # This process's own store: the faster tier it answered from holds that state already.
-            marker = None
-        return plan, _extends(marker, query, unbroken * chunk_tokens, plan.length, chunk_tokens)
+        # A torn view is a valid, shorter hit; being in flight, the lookup asks again.
+        return plan, torn or _extends(marker, query, unbroken * chunk_tokens, plan.length, chunk_tokens)
 
     def _lookup(self, query: npt.NDArray[np.int32], fingerprint: str | None) -> LlamaState | None:
         plan = self._find(query, fingerprint)
