@@ -38,7 +38,7 @@ llama-server's ``-c`` is split between its slots, so it gets ``n_ctx * parallel`
 for prompts and for generation (``--threads``, default one per physical core: llama-server's own
 default, which the others are given explicitly, since llama-cpp-python would generate on half the
 logical CPUs), batch and micro-batch (512, llama-cpp-python's default) and flash attention
-(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, on; with it
+(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, off; with it
 off, ``llama-server+fa`` runs llama-server with it on too, its own default, and the targets against
 llama-server take its better side), and no logits kept for
 every token: llama-cpp-python's server defaults to ``logits_all=True`` (its logprobs need it), which

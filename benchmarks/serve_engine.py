@@ -13,19 +13,17 @@ JSON config (``model.path``, ``n_ctx``, ``n_seq_max``, ``n_batch``, ``n_ubatch``
 Every server gets the default model, ``--threads`` (2), ``--parallel`` sequences (as many as the
 clients), ``--n-ctx`` tokens per sequence (4,096) as one pool (llama-server's ``-c`` is that times the
 slots; ours ``--n-ctx`` the same, the example server's ``n_ctx`` too), the same flash attention
-(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, on, as ``llama-server``'s; see
-below), batch 512. The
+(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, off; see below), batch 512. The
 two caching servers get the same host-memory prompt cache budget (``--cache-ram``: llama-server's in
 MiB, ours in bytes). A fresh server per run; the servers run one after another in an order rotated
 each round (``--rounds``, default 3), and the table shows medians with their spread.
 
-Flash attention: llama.cpp's CPU flash attention walks the KV cells once per query row and skips other
-sequences' cells, where its matrix-product attention reads a shared head's cells once for every
-sequence in the batch, and every other sequence's cells too (docs/engine.md, "Flash attention").
-Every server's default (``auto``) is on. So that no anchor is measured off its own default, a run with
-``--flash-attn off`` also runs llama-server and the example server with it on in the
-decode scenario (the sides ``llama-server+fa`` and ``example-server+fa``), and the throughput
-verdicts take each anchor's better side.
+Flash attention: on the CPU a generated token over a long conversation costs about twice as much
+with llama.cpp's flash attention on, and prompts read faster with it on (docs/engine.md, "Flash
+attention"). ``llama-cache serve``'s ``auto`` is off; llama-server's and the example server's are on.
+So that no anchor is measured off its own default, a run with ``--flash-attn off`` also runs
+llama-server and the example server with it on in the decode scenario (the sides ``llama-server+fa``
+and ``example-server+fa``), and the throughput verdicts take each anchor's better side.
 
 Scenarios, each a run per server:
 

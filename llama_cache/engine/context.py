@@ -45,12 +45,13 @@ class DecodeFailed(RuntimeError):
 
 def flash_attention_for(requested: bool | None, deterministic: bool) -> bool:
     """Whether the engine's context runs llama.cpp's flash attention: ``requested``, or for None
-    (auto) on, as ``llama-server``'s auto: served conversations that share a head and go their own
-    ways decode faster with it on the CPU too, because each query row skips the cells of other
-    sequences instead of multiplying them (docs/engine.md, "Flash attention").
+    (auto) off, unless ``deterministic``: on the CPU a generated token attending over a long
+    conversation costs about twice as much with it on (measured: 25-33 generated tokens/s on against
+    49-57 off at 1,024 cells, the default model), and a served workload is mostly generated tokens;
+    prompts read faster with it on (docs/engine.md, "Flash attention").
 
     Deterministic mode rests on the flash-attention path that visits a sequence's cells in order and
-    skips the others exactly (see :mod:`.scheduler`), so it needs it on.
+    skips the others exactly (see :mod:`.scheduler`), so it needs it on, and auto gives it on.
 
     Raises:
         ValueError: deterministic mode with flash attention off, or ``requested`` is not a bool or None.
@@ -58,7 +59,7 @@ def flash_attention_for(requested: bool | None, deterministic: bool) -> bool:
     if requested is not None and not isinstance(requested, bool):
         raise ValueError(f"flash_attn must be True, False or None (auto), got {requested!r}")
     if requested is None:
-        return True
+        return deterministic
     if deterministic and not requested:
         raise ValueError("deterministic mode needs flash attention (its sums depend on the sequence alone there)")
     return requested
@@ -78,7 +79,7 @@ class ContextSettings:
     n_seq_max: int
     n_batch: int = 512
     n_threads: int = 2
-    flash_attn: bool = True
+    flash_attn: bool = False
     kv_unified: bool = True
 
 
