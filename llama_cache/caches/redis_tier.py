@@ -484,7 +484,9 @@ class LlamaRedisCache(BaseLlamaCache):
                      *_ask_children(fingerprint, prev, rest, chunk_tokens)]
             second = self._call("lookup", lambda: pipelined(self._client, asked))
             again, children = second if isinstance(second, list) and len(second) == 2 else (marker, None)
-            torn = marker is not None and again != marker
+            # Only a marker that shares the query's tokens where the chain broke could make it longer.
+            torn = again != marker and _extends(marker, query, unbroken * chunk_tokens, unbroken * chunk_tokens,
+                                                chunk_tokens)
         plan = _walk(fingerprint, query, ids[:unbroken], children, chunk_tokens, layout, seed, exact)
         # A torn view is a valid, shorter hit; being in flight, the lookup asks again.
         return plan, torn or _extends(marker, query, unbroken * chunk_tokens, plan.length, chunk_tokens)
