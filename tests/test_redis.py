@@ -194,6 +194,34 @@ def test_fetch_bounds_each_reply_by_its_own_command() -> None:
             redis_transfer.fetch(client, commands, [5, 3])
 
 
+def test_fetch_reads_many_windows_in_order_and_a_refusal_in_a_late_one_fails_the_node_not_the_process() -> None:
+    import redis
+
+    from llama_cache.caches import redis_client, redis_transfer
+
+    rng = np.random.default_rng(7)
+    values = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in (700_000, 5, 900_000, 1, 650_000, 300_000)]
+    with RedisServer() as server:
+        client = redis_client.connect(server.url, timeout=5, cluster=False)
+        for i, value in enumerate(values):
+            client.set(f"v{i}", value)
+        commands = [(f"v{i}", ("GET", f"v{i}")) for i in range(len(values))] + [("none", ("GET", "none")),
+                                                                                 ("n", ("EXISTS", "v0"))]
+        bounds = [len(value) for value in values] + [10, 0]
+        assert sum(bounds) > 2 * redis_transfer.WINDOW  # three windows, each sent before the last is read
+        got = redis_transfer.fetch(client, commands, bounds)
+        assert [bytes(reply) for reply in got[: len(values)]] == values and got[-2:] == [None, 1]
+        refused = redis_transfer.fetch(client, commands, [*bounds[:4], 10, *bounds[5:]])  # the 5th is too long
+        assert all(isinstance(reply, redis.ResponseError) for reply in refused)
+        again = redis_transfer.fetch(client, commands, bounds)  # a new connection, the same answers
+        assert [bytes(reply) for reply in again[: len(values)]] == values
+        server.kill()  # the idle pooled connection is broken: the next fetch answers on a new one
+        server.start()
+        for i, value in enumerate(values):
+            client.set(f"v{i}", value)
+        assert [bytes(reply) for reply in redis_transfer.fetch(client, commands, bounds)[: len(values)]] == values
+
+
 def test_a_shared_prefix_is_stored_once(fresh: Deployment) -> None:
     cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
     base = make_cut_state(range(64), 64 * 400)

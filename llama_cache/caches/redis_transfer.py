@@ -1,12 +1,14 @@
 """Moving chunk values to and from Redis at the socket's speed: framed in place, read in place.
 
 **Stores** (:func:`set_chunks`): each chunk is framed (:func:`~llama_cache.caches.redis_frames.encode_frame`)
-into one buffer reused for the next, right after room for its ``SET`` command's RESP header, which is
-written just before it: one ``sendall`` per chunk, no copy by redis-py's command packer, no value held
-but the one being sent. Replies are read after the last chunk: one round trip per node.
+by a helper thread into one of a few buffers reused in turn, right after room for its ``SET`` command's
+RESP header, which is written just before it: one ``sendall`` per chunk, no copy by redis-py's command
+packer, a few values held whatever the state's size, the next chunks framed while this one is sent.
+Replies are read after the last chunk: one round trip per node.
 
-**Lookups** (:func:`fetch`): every command for a node is packed into one write, and the replies are read
-straight from the socket into one preallocated buffer per node; bulk replies come back as memoryviews
+**Lookups** (:func:`fetch`): a node's commands are sent in windows of about a megabyte of replies, each
+before the replies of the last are read (the server answers one while the client reads another), and the
+replies are read straight from the socket into one preallocated buffer per node; bulk replies come back as memoryviews
 of it (redis-py's reply parser would copy each value twice: into its buffer, then into a new ``bytes``).
 The buffers are recycled (:data:`REPLY_BUFFERS`): once nothing refers to a state read into one, the
 next lookup reads into it without faulting its pages in again.
@@ -28,10 +30,13 @@ Stateless; thread-safe as redis-py's connection pools are (each call takes its o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import queue
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import redis
 import redis.cluster
 
@@ -68,12 +73,18 @@ class _Protocol(redis.ResponseError):
 
 
 def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk: int | Sequence[int]) -> list[Any]:
-    """The replies to ``commands`` (each ``(its key, its arguments)``), one round trip per node.
+    """The replies to ``commands`` (each ``(its key, its arguments)``), pipelined per node.
 
     ``max_bulk``: the longest bulk reply taken, for every command or one per command (a command whose
     reply is an integer or nil: 0). Bulk replies are memoryviews into one buffer per node (kept alive
     by them), at most their ``max_bulk`` bytes each; nil replies None, integers int, simple strings bytes, errors (a failing node's
     commands too) the exception. Memory: one buffer per node of about its commands' ``max_bulk``.
+
+    Each node's commands go out in windows of about :data:`WINDOW` bytes of replies, the next window
+    sent before the replies of the one before are read: the server answers one window while the
+    client reads the last (sent all at once, the first byte came only once the server had copied every
+    value into its reply buffers: half the rate on the project's VM, ``benchmarks/redis_tier.py``).
+    The nodes of a cluster take turns, so every node is working while one is read.
 
     Never raises for a failing node (its replies are the exception).
 
@@ -99,7 +110,7 @@ def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk
         groups = [(client.connection_pool, list(range(len(commands))))]
     if not all(issubclass(pool.connection_class, InPlaceReads) for pool, _ in groups):
         return pipelined(client, commands, strict=False)  # a caller's own client
-    taken: list[tuple[Any, Any, list[int], bytes]] = []
+    nodes: list[_Node] = []
     try:
         for pool, positions in groups:
             try:
@@ -108,50 +119,101 @@ def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk
                 for at in positions:
                     replies[at] = error
                 continue
-            taken.append((pool, connection, positions, b"".join(pack(*commands[at][1]) for at in positions)))
-        sent = [_send(connection, packed) for _, connection, _, packed in taken]
-        for (_, connection, positions, packed), failure in zip(taken, sent):
-            answers = _read_group(connection, positions, packed, [bounds[at] for at in positions], failure)
-            for at, answer in zip(positions, answers):
+            nodes.append(_Node(pool, connection, [(at, commands[at][1], bounds[at]) for at in positions]))
+        for node in nodes:
+            node.send_next()
+        while any(node.reading for node in nodes):
+            for node in nodes:
+                if node.reading:
+                    node.send_next()
+                    node.read_window()
+        for node in nodes:
+            for at, answer in zip(node.positions, node.answers()):
                 replies[at] = answer
     finally:
-        for pool, connection, _, _ in taken:
-            pool.release(connection)
+        for node in nodes:
+            node.pool.release(node.connection)
     if isinstance(client, redis.cluster.RedisCluster) and any(
             isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK")) for reply in replies):
         client.nodes_manager.initialize()
     return replies
 
 
-def _send(connection: Any, packed: bytes) -> Exception | None:
-    """Send ``packed``; the failure, if any (the connection is then dropped)."""
-    try:
-        connection.send_packed_command([packed], check_health=False)
-    except (redis.RedisError, OSError) as error:
-        connection.disconnect()
-        return error
-    return None
+WINDOW = 1 << 20
+"""Bytes of replies (at their bounds) a node is asked for before the replies of the previous window are
+read: measured best from 0.7 to 3 MB for 368 KB values on the project's VM (2x the rate of one window)."""
 
 
-def _read_group(connection: Any, positions: list[int], packed: bytes, bounds: list[int],
-                failure: Exception | None) -> list[Any]:
-    """The replies of one node's commands (already sent, unless ``failure``); one retry on a new
-    connection when the first turns out broken before any reply (the server restarted)."""
-    for attempt in range(2):
-        if failure is None:
-            try:
-                return _read_replies(connection, bounds)
-            except _Fresh as broken:
-                failure = broken.error
-            except (redis.RedisError, OSError) as error:
-                connection.disconnect()
-                return [error] * len(positions)
-        connection.disconnect()
-        if attempt or not isinstance(failure, redis.ConnectionError) or isinstance(failure, redis.TimeoutError):
-            break
-        failure = _send(connection, packed)
-    assert failure is not None
-    return [failure] * len(positions)
+class _Node:
+    """One node's share of a :func:`fetch`: its commands in windows, sent ahead of the reads.
+
+    A failure (sending, reading, a reply refused) fails every command of the node, and its connection
+    is dropped. A connection found broken before the first reply's first byte (the server restarted)
+    is made again and what was sent so far is sent again, once.
+    """
+
+    def __init__(self, pool: Any, connection: Any, commands: list[tuple[int, tuple[Any, ...], int]]) -> None:
+        self.pool, self.connection = pool, connection
+        self.positions = [at for at, _, _ in commands]
+        self.windows: list[tuple[bytes, list[int]]] = []  # (packed commands, their bounds)
+        packed: list[bytes] = []
+        window: list[int] = []
+        asked = 0
+        for _, args, bound in commands:
+            packed.append(pack(*args))
+            window.append(bound)
+            asked += bound
+            if asked >= WINDOW:
+                self.windows.append((b"".join(packed), window))
+                packed, window, asked = [], [], 0
+        if window:
+            self.windows.append((b"".join(packed), window))
+        self.sent = self.read = 0  # windows sent, windows read
+        self.failure: Exception | None = None
+        self.retried = False
+        all_bounds = [bound for _, _, bound in commands]
+        self.reader = _Replies(connection, REPLY_BUFFERS.take(sum(all_bounds) + 32 * len(all_bounds) + _LINE),
+                               max(all_bounds, default=0))
+        self.replies: list[Any] = []
+
+    @property
+    def reading(self) -> bool:
+        """Whether windows remain to be read (and the node has not failed)."""
+        return self.failure is None and self.read < len(self.windows)
+
+    def send_next(self) -> None:
+        """Send the next window, if any is left and the node has not failed."""
+        if self.failure is None and self.sent < len(self.windows):
+            self._send(self.windows[self.sent][0])
+            self.sent += 1
+
+    def read_window(self) -> None:
+        """Read the replies of the oldest window sent and not read."""
+        bounds = self.windows[self.read][1]
+        try:
+            self.replies.extend(self.reader.read(bounds))
+            self.read += 1
+        except _Fresh as broken:
+            self.connection.disconnect()
+            if self.retried:
+                self.failure = broken.error
+                return
+            self.retried = False
+            self._send(b"".join(packed for packed, _ in self.windows[: self.sent]))
+        except (redis.RedisError, OSError) as error:
+            self.connection.disconnect()
+            self.failure = error
+
+    def answers(self) -> list[Any]:
+        """One reply per command, or the failure for each."""
+        return [self.failure] * len(self.positions) if self.failure is not None else self.replies
+
+    def _send(self, packed: bytes) -> None:
+        try:
+            self.connection.send_packed_command([packed], check_health=False)
+        except (redis.RedisError, OSError) as error:
+            self.connection.disconnect()
+            self.failure = error
 
 
 class _Fresh(Exception):
@@ -162,64 +224,73 @@ class _Fresh(Exception):
         self.error = error
 
 
-def _read_replies(connection: InPlaceReads, bounds: list[int]) -> list[Any]:
-    """One reply per bound, read from ``connection``'s socket into one buffer (bulk replies at most
-    their bound; the buffer holds all of them at their bounds).
+class _Replies:
+    """Replies parsed in order from a connection's socket, read into one buffer that holds them all.
 
-    Raises:
-        _Fresh: the connection broke before the first reply's first byte.
-        redis.RedisError: it broke later (the connection must be dropped).
+    Reads run ahead of the replies asked for (into the room of the next ones), so the buffer must hold
+    every reply of the connection at its bound, plus 32 bytes a reply for its header and a line.
     """
-    count, widest = len(bounds), max(bounds, default=0)
-    buffer = REPLY_BUFFERS.take(sum(bounds) + 32 * count + _LINE)
-    view = memoryview(buffer)
-    filled = position = 0
-    replies: list[Any] = []
 
-    def more() -> None:
-        nonlocal filled
-        if filled >= len(buffer):
+    def __init__(self, connection: InPlaceReads, buffer: Any, widest: int) -> None:
+        self.connection = connection
+        self.buffer = buffer
+        self.view = memoryview(buffer)
+        self.widest = widest
+        self.filled = self.position = 0
+
+    def _more(self) -> None:
+        if self.filled >= len(self.buffer):
             raise _Protocol("reply longer than expected")
         try:
-            filled += connection.recv_into(view[filled : min(len(buffer), filled + max(_READ, 2 * widest))])
+            self.filled += self.connection.recv_into(
+                self.view[self.filled : min(len(self.buffer), self.filled + max(_READ, 2 * self.widest))])
         except redis.ConnectionError as error:
-            if filled == 0 and not isinstance(error, redis.TimeoutError):
+            if self.filled == 0 and not isinstance(error, redis.TimeoutError):
                 raise _Fresh(error) from error
             raise
 
-    try:
-        while len(replies) < count:
-            while True:
-                end = bytes(view[position : min(filled, position + _LINE)]).find(b"\r\n")
-                if end >= 0:
-                    break
-                if filled - position >= _LINE:
-                    raise _Protocol("reply line too long")
-                more()
-            kind, line = view[position], bytes(view[position + 1 : position + end])
-            position += end + 2
-            if kind == ord("$"):
-                length = int(line)
-                if length == -1:
-                    replies.append(None)
-                    continue
-                if not 0 <= length <= bounds[len(replies)]:
-                    raise _Protocol("bulk reply longer than expected")
-                while filled < position + length + 2:
-                    more()
-                replies.append(view[position : position + length])
-                position += length + 2
-            elif kind == ord(":"):
-                replies.append(int(line))
-            elif kind == ord("+"):
-                replies.append(line)
-            elif kind == ord("-"):
-                replies.append(redis.ResponseError(line.decode("utf-8", "replace")))
-            else:
-                raise _Protocol("unexpected reply type")
-    except ValueError as error:  # a length or integer that is not one
-        raise _Protocol(f"bad reply: {error}") from None
-    return replies
+    def read(self, bounds: list[int]) -> list[Any]:
+        """One reply per bound (bulk replies at most their bound).
+
+        Raises:
+            _Fresh: the connection broke before the first reply's first byte.
+            redis.RedisError: it broke later, or a reply was refused (the connection must be dropped).
+        """
+        view = self.view
+        replies: list[Any] = []
+        try:
+            while len(replies) < len(bounds):
+                while True:
+                    end = bytes(view[self.position : min(self.filled, self.position + _LINE)]).find(b"\r\n")
+                    if end >= 0:
+                        break
+                    if self.filled - self.position >= _LINE:
+                        raise _Protocol("reply line too long")
+                    self._more()
+                kind, line = view[self.position], bytes(view[self.position + 1 : self.position + end])
+                self.position += end + 2
+                if kind == ord("$"):
+                    length = int(line)
+                    if length == -1:
+                        replies.append(None)
+                        continue
+                    if not 0 <= length <= bounds[len(replies)]:
+                        raise _Protocol("bulk reply longer than expected")
+                    while self.filled < self.position + length + 2:
+                        self._more()
+                    replies.append(view[self.position : self.position + length])
+                    self.position += length + 2
+                elif kind == ord(":"):
+                    replies.append(int(line))
+                elif kind == ord("+"):
+                    replies.append(line)
+                elif kind == ord("-"):
+                    replies.append(redis.ResponseError(line.decode("utf-8", "replace")))
+                else:
+                    raise _Protocol("unexpected reply type")
+        except ValueError as error:  # a length or integer that is not one
+            raise _Protocol(f"bad reply: {error}") from None
+        return replies
 
 
 def set_chunks(client: Any, fingerprint: str, layout: KVLayout, segments: Sequence[KVSegment],
