@@ -222,6 +222,22 @@ def test_fetch_reads_many_windows_in_order_and_a_refusal_in_a_late_one_fails_the
         assert [bytes(reply) for reply in redis_transfer.fetch(client, commands, bounds)[: len(values)]] == values
 
 
+def test_a_chain_of_the_longest_chunks_is_found_at_every_token_through_its_prefix_index(fresh: Deployment) -> None:
+    # Chunks of 4,096 tokens (the longest): a chunk after one made by the same store indexes its 4,096
+    # prefixes in batched HSETs, as one Lua call may not unpack 8,192 fields.
+    cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=4096)
+    state = make_cut_state(range(9000), 9000 * 16)
+    cache[range(9000)] = state
+    for length in (30, 4095, 4096, 4200, 8000, 8191, 8192, 8500, 8999):
+        query = [*range(length), 100_000]
+        assert cache.match_length(query) == length
+        found = cache[query]
+        assert found.n_tokens == length and np.array_equal(found.seq_bytes(), state.prefix(length, None).seq_bytes())
+    cache[range(9100)] = make_cut_state(range(9100), 9100 * 16)  # the next turn: absorbs the partial chunk
+    assert cache.match_length([*range(9050), 100_000]) == 9050
+    assert cache[range(9000)].n_tokens == 9000  # (its last tokens' KV now read from the absorbing chunk)
+
+
 def test_a_shared_prefix_is_stored_once(fresh: Deployment) -> None:
     cache = LlamaRedisCache(fresh.url, 10**8, fingerprint="test", chunk_tokens=8)
     base = make_cut_state(range(64), 64 * 400)

@@ -25,7 +25,11 @@ local prefix, member, head = ARGV[1], ARGV[2], ARGV[3]
 local capacity, n, chunk_tokens = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local freed = {}
 -- The store has landed: lookups waiting for it (in-flight markers, set by announce) may go on.
-for i = 0, n - 1 do redis.call('DEL', prefix .. 'w:' .. ARGV[9 + 4 * i]) end
+local markers = {}
+for i = 0, n - 1 do
+  markers[#markers + 1] = prefix .. 'w:' .. ARGV[9 + 4 * i]
+  if #markers == 512 or i == n - 1 then redis.call('DEL', unpack(markers)); markers = {} end
+end
 local function release(id)
   if redis.call('HINCRBY', refs, id, -1) <= 0 then
     redis.call('HDEL', refs, id)
@@ -61,18 +65,28 @@ local function drop(m)
   redis.call('DEL', key)
   redis.call('ZREM', lru, m)
 end
-local ids, new = {}, {}
+local ids, new, made = {}, {}, {}
 for i = 0, n - 1 do
   local id, size, prev, tokens = ARGV[7 + 4 * i], ARGV[8 + 4 * i], ARGV[9 + 4 * i], ARGV[10 + 4 * i]
   if redis.call('HINCRBY', refs, id, 1) == 1 then
-    new[#new + 1] = {id, prev, tokens}
+    made[id] = true
     redis.call('HSET', info, id, size .. ':' .. prev)
     redis.call('HSET', prefix .. 't:' .. prev, id, tokens)
     -- Every prefix of its tokens names it (unless another chunk holding that prefix already does):
     -- a lookup finds the child sharing most of its remaining tokens in one HMGET, whatever the
-    -- number of children.
-    for at = 4, #tokens, 4 do
-      redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id)
+    -- number of children. A predecessor made by this store has no other child: one HSET, and
+    -- nothing to absorb.
+    if made[prev] then
+      local fields = {}
+      for at = 4, #tokens, 4 do
+        fields[#fields + 1] = string.sub(tokens, 1, at); fields[#fields + 1] = id
+        if #fields == 512 or at + 4 > #tokens then redis.call('HSET', prefix .. 'p:' .. prev, unpack(fields)); fields = {} end
+      end
+    else
+      new[#new + 1] = {id, prev, tokens}
+      for at = 4, #tokens, 4 do
+        redis.call('HSETNX', prefix .. 'p:' .. prev, string.sub(tokens, 1, at), id)
+      end
     end
     redis.call('INCRBY', bytes, tonumber(size))
   end
