@@ -209,10 +209,19 @@ def test_fetch_reads_many_windows_in_order_and_a_refusal_in_a_late_one_fails_the
                                                                                  ("n", ("EXISTS", "v0"))]
         bounds = [len(value) for value in values] + [10, 0]
         assert sum(bounds) > 2 * redis_transfer.WINDOW  # three windows, each sent before the last is read
-        got = redis_transfer.fetch(client, commands, bounds)
+        seen: dict[int, Any] = {}
+        got = redis_transfer.fetch(client, commands, bounds, seen.__setitem__)
         assert [bytes(reply) for reply in got[: len(values)]] == values and got[-2:] == [None, 1]
-        refused = redis_transfer.fetch(client, commands, [*bounds[:4], 10, *bounds[5:]])  # the 5th is too long
-        assert all(isinstance(reply, redis.ResponseError) for reply in refused)
+        assert seen.keys() == set(range(len(commands))) and all(seen[at] is reply for at, reply in enumerate(got))
+        seen.clear()
+        refused = redis_transfer.fetch(client, commands, [*bounds[:4], 10, *bounds[5:]], seen.__setitem__)
+        assert all(isinstance(reply, redis.ResponseError) for reply in refused)  # the 5th was too long
+        assert seen and len(seen) < 4  # the first window was passed on as it came; the list is the truth
+        def fail(at: int, reply: Any) -> None:
+            raise RuntimeError("the caller's own failure")
+
+        with pytest.raises(RuntimeError):
+            redis_transfer.fetch(client, commands, bounds, fail)
         again = redis_transfer.fetch(client, commands, bounds)  # a new connection, the same answers
         assert [bytes(reply) for reply in again[: len(values)]] == values
         server.kill()  # the idle pooled connection is broken: the next fetch answers on a new one

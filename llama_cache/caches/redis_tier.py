@@ -506,23 +506,36 @@ class LlamaRedisCache(BaseLlamaCache):
 
         # Room for each chunk's value; the refresh script answers an integer.
         bounds = [frame_size(plan.layout, plan.chunk_tokens)] * len(keys) + [0] * (len(commands) - len(keys))
-        replies = self._call("fetch", lambda: redis_transfer.fetch(self._client, commands, bounds))
+        decoded: dict[int, tuple[npt.NDArray[np.int32], KVSegment] | CorruptStateError] = {}
+
+        def decode(at: int, value: Any) -> None:
+            # Checked as each window arrives, while Redis sends the next; used only if the reply stays.
+            if at < len(keys) and isinstance(value, (bytes, memoryview)):
+                ident, prev, start = plan.chunks[at]
+                try:
+                    decoded[at] = decode_frame(value, namespace=plan.fingerprint, ident=ident, prev=prev, start=start,
+                                               layout=plan.layout, verify=self.verify)
+                except CorruptStateError as error:
+                    decoded[at] = error
+
+        replies = self._call("fetch", lambda: redis_transfer.fetch(self._client, commands, bounds, decode))
         if replies is None:
             return None
         values = replies[: len(keys)]
         self._note_lost_node(next((reply for reply in values if isinstance(reply, Exception)), None))
         segments: list[KVSegment] = []
         covered = 0
-        for (ident, prev, start), value in zip(plan.chunks, values):
+        for at, ((ident, _, start), value) in enumerate(zip(plan.chunks, values)):
             if not isinstance(value, (bytes, memoryview)):
                 logger.info("redis cache: chunk %s is gone (evicted); a shorter hit", ident.hex())
                 break
-            try:
-                tokens, segment = decode_frame(value, namespace=plan.fingerprint, ident=ident, prev=prev, start=start,
-                                               layout=plan.layout, verify=self.verify)
-            except CorruptStateError as error:
-                self._note_damage(ident, str(error))
+            if at not in decoded:  # (fetch passes on every value it returns; this keeps the lookup whole regardless)
+                decode(at, value)
+            frame = decoded[at]
+            if isinstance(frame, CorruptStateError):
+                self._note_damage(ident, str(frame))
                 break
+            tokens, segment = frame
             expected = query[start : start + len(tokens)]
             usable = min(len(tokens), plan.length - start)
             if not np.array_equal(tokens[:usable], expected[:usable]):

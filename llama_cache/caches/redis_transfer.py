@@ -1,10 +1,10 @@
 """Moving chunk values to and from Redis at the socket's speed: framed in place, read in place.
 
 **Stores** (:func:`set_chunks`): each chunk is framed (:func:`~llama_cache.caches.redis_frames.encode_frame`)
-by a helper thread into one of a few buffers reused in turn, right after room for its ``SET`` command's
-RESP header, which is written just before it: one ``sendall`` per chunk, no copy by redis-py's command
-packer, a few values held whatever the state's size, the next chunks framed while this one is sent.
-Replies are read after the last chunk: one round trip per node.
+into one buffer reused for the next, right after room for its ``SET`` command's RESP header, which is
+written just before it: one ``sendall`` per chunk, no copy by redis-py's command packer, no value held
+but the one being sent. Replies are read after the last chunk: one round trip per node. (Framing in a
+helper thread, a few chunks ahead, was no faster on two cores: the server takes the other.)
 
 **Lookups** (:func:`fetch`): a node's commands are sent in windows of about a megabyte of replies, each
 before the replies of the last are read (the server answers one while the client reads another), and the
@@ -30,13 +30,10 @@ Stateless; thread-safe as redis-py's connection pools are (each call takes its o
 
 from __future__ import annotations
 
-import queue
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import redis
 import redis.cluster
 
@@ -72,7 +69,8 @@ class _Protocol(redis.ResponseError):
     """A reply this reader does not take (too long, or of another type): the connection is dropped."""
 
 
-def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk: int | Sequence[int]) -> list[Any]:
+def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk: int | Sequence[int],
+          on_reply: Callable[[int, Any], None] | None = None) -> list[Any]:
     """The replies to ``commands`` (each ``(its key, its arguments)``), pipelined per node.
 
     ``max_bulk``: the longest bulk reply taken, for every command or one per command (a command whose
@@ -85,6 +83,12 @@ def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk
     client reads the last (sent all at once, the first byte came only once the server had copied every
     value into its reply buffers: half the rate on the project's VM, ``benchmarks/redis_tier.py``).
     The nodes of a cluster take turns, so every node is working while one is read.
+
+    ``on_reply(position, reply)``, if given, is called with each reply as soon as its window is read,
+    while the server answers the next (a caller's checksums then overlap the transfer). The list
+    returned is the truth: a node that fails later makes every reply of it the exception, including
+    those already passed to ``on_reply``. An exception from ``on_reply`` propagates (the connections
+    with replies unread are dropped).
 
     Never raises for a failing node (its replies are the exception).
 
@@ -109,7 +113,11 @@ def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk
     elif commands:
         groups = [(client.connection_pool, list(range(len(commands))))]
     if not all(issubclass(pool.connection_class, InPlaceReads) for pool, _ in groups):
-        return pipelined(client, commands, strict=False)  # a caller's own client
+        replies = pipelined(client, commands, strict=False)  # a caller's own client
+        if on_reply is not None:
+            for at, reply in enumerate(replies):
+                on_reply(at, reply)
+        return replies
     nodes: list[_Node] = []
     try:
         for pool, positions in groups:
@@ -119,7 +127,7 @@ def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk
                 for at in positions:
                     replies[at] = error
                 continue
-            nodes.append(_Node(pool, connection, [(at, commands[at][1], bounds[at]) for at in positions]))
+            nodes.append(_Node(pool, connection, [(at, commands[at][1], bounds[at]) for at in positions], on_reply))
         for node in nodes:
             node.send_next()
         while any(node.reading for node in nodes):
@@ -132,6 +140,8 @@ def fetch(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], max_bulk
                 replies[at] = answer
     finally:
         for node in nodes:
+            if node.reading:  # left by an exception: replies are unread
+                node.connection.disconnect()
             node.pool.release(node.connection)
     if isinstance(client, redis.cluster.RedisCluster) and any(
             isinstance(reply, redis.ResponseError) and str(reply).startswith(("MOVED", "ASK")) for reply in replies):
@@ -152,8 +162,9 @@ class _Node:
     is made again and what was sent so far is sent again, once.
     """
 
-    def __init__(self, pool: Any, connection: Any, commands: list[tuple[int, tuple[Any, ...], int]]) -> None:
-        self.pool, self.connection = pool, connection
+    def __init__(self, pool: Any, connection: Any, commands: list[tuple[int, tuple[Any, ...], int]],
+                 on_reply: Callable[[int, Any], None] | None) -> None:
+        self.pool, self.connection, self.on_reply = pool, connection, on_reply
         self.positions = [at for at, _, _ in commands]
         self.windows: list[tuple[bytes, list[int]]] = []  # (packed commands, their bounds)
         packed: list[bytes] = []
@@ -191,7 +202,7 @@ class _Node:
         """Read the replies of the oldest window sent and not read."""
         bounds = self.windows[self.read][1]
         try:
-            self.replies.extend(self.reader.read(bounds))
+            replies = self.reader.read(bounds)
             self.read += 1
         except _Fresh as broken:
             self.connection.disconnect()
@@ -203,6 +214,11 @@ class _Node:
         except (redis.RedisError, OSError) as error:
             self.connection.disconnect()
             self.failure = error
+        else:
+            if self.on_reply is not None:
+                for at, reply in zip(self.positions[len(self.replies) :], replies):
+                    self.on_reply(at, reply)
+            self.replies.extend(replies)
 
     def answers(self) -> list[Any]:
         """One reply per command, or the failure for each."""
