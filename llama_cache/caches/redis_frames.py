@@ -199,12 +199,50 @@ def encode_frame(namespace: str, piece: Piece, layout: KVLayout, segments: Seque
     return view
 
 
+class _Shape(NamedTuple):
+    """What decoding a layout's frames needs, worked out once per layout."""
+
+    digest: bytes
+    token_bytes: int  # payload bytes per token: its id and its KV
+    k_row: int | None  # every layer's key row, when they are all alike
+    v_block: tuple[int, int] | None  # (rows, row bytes) per token of a layer's values, when all alike
+
+
+@functools.lru_cache(maxsize=16)
+def _layout_shape(layout: KVLayout) -> _Shape:
+    k_rows, v_rows = set(layout.k_row_bytes), set(layout.v_row_bytes)
+    v_block = None
+    if len(v_rows) == 1 and len(set(layout.n_embd_v)) == 1:
+        if not layout.v_trans:
+            v_block = (1, layout.v_row_bytes[0])
+        elif len(set(layout.v_elem_bytes)) == 1:
+            v_block = (layout.n_embd_v[0], layout.v_elem_bytes[0])
+    return _Shape(layout_digest(layout), 4 + layout.bytes_per_token, k_rows.pop() if len(k_rows) == 1 else None,
+                  v_block)
+
+
+_last_shape: tuple[KVLayout | None, _Shape | None] = (None, None)
+
+
+def _shape(layout: KVLayout) -> _Shape:
+    """:func:`_layout_shape`, with the layout of the last call recognised by identity (a lookup decodes
+    all its chunks against one layout object; hashing the layout took a tenth of a chunk's decoding)."""
+    global _last_shape
+    last, shape = _last_shape
+    if last is layout and shape is not None:
+        return shape
+    shape = _layout_shape(layout)
+    _last_shape = (layout, shape)
+    return shape
+
+
 def decode_frame(value: bytes | memoryview, *, namespace: str, ident: bytes, prev: bytes, start: int,
                  layout: KVLayout, verify: bool = True) -> tuple[npt.NDArray[np.int32], KVSegment]:
     """The tokens and KV of a chunk value read from Redis, checked to be the chunk the caller expects.
 
     Views into ``value`` (which must stay alive, as the returned segment keeps it). Complexity: one
     checksum pass over the value (``verify``) and one chunk id; O(layers) views.
+    Thread-safe.
 
     Raises:
         CorruptStateError: damaged, or not the expected chunk.
@@ -217,22 +255,23 @@ def decode_frame(value: bytes | memoryview, *, namespace: str, ident: bytes, pre
     # A chain's first chunk has no predecessor: its field is zeros (packing pads the empty id).
     if (tag, found_id, found_prev, found_start) != (namespace_tag(namespace), ident, prev.ljust(16, b"\0"), start):
         raise CorruptStateError("not the expected chunk")
-    if digest != layout_digest(layout):
+    shape = _shape(layout)
+    if digest != shape.digest:
         raise CorruptStateError("chunk of another KV layout")
-    if not 0 < n_tokens <= MAX_CHUNK_FILE_TOKENS or len(value) != frame_size(layout, n_tokens):
+    if not 0 < n_tokens <= MAX_CHUNK_FILE_TOKENS or len(value) != HEADER_SIZE + n_tokens * shape.token_bytes:
         raise CorruptStateError("chunk length does not match its header")
     data = np.frombuffer(value, dtype=np.uint8)
     if verify and xxhash.xxh3_64_intdigest(memoryview(data)[HEADER_SIZE:]) != checksum:
         raise CorruptStateError("chunk checksum mismatch")
     tokens = data[HEADER_SIZE : HEADER_SIZE + 4 * n_tokens].view("<i4")
-    if (tokens < 0).any() or chunk_id(namespace, prev, tokens) != ident:
+    if tokens.min() < 0 or chunk_id(namespace, prev, tokens) != ident:
         raise CorruptStateError("chunk tokens do not match its id")
     offset = HEADER_SIZE + 4 * n_tokens
     n_layer = len(layout.k_row_bytes)
     k: tuple[Bytes, ...]
     v: tuple[Bytes, ...]
-    if len(set(layout.k_row_bytes)) == 1:
-        row = layout.k_row_bytes[0]
+    if shape.k_row is not None:
+        row = shape.k_row
         k = tuple(data[offset : offset + n_layer * n_tokens * row].reshape(n_layer, n_tokens, row))
         offset += n_layer * n_tokens * row
     else:
@@ -241,13 +280,13 @@ def decode_frame(value: bytes | memoryview, *, namespace: str, ident: bytes, pre
             parts.append(data[offset : offset + n_tokens * row].reshape(n_tokens, row))
             offset += n_tokens * row
         k = tuple(parts)
-    if len(set(layout.v_row_bytes)) == 1 and len(set(layout.n_embd_v)) == 1:
-        row = layout.v_row_bytes[0]
-        block = data[offset : offset + n_layer * n_tokens * row]
+    if shape.v_block is not None:
+        rows, width = shape.v_block
+        block = data[offset : offset + n_layer * n_tokens * rows * width]
         if layout.v_trans:
-            v = tuple(block.reshape(n_layer, layout.n_embd_v[0], n_tokens * layout.v_elem_bytes[0]))
+            v = tuple(block.reshape(n_layer, rows, n_tokens * width))
         else:
-            v = tuple(block.reshape(n_layer, n_tokens, row))
+            v = tuple(block.reshape(n_layer, n_tokens, width))
     else:
         parts = []
         for i, row in enumerate(layout.v_row_bytes):
