@@ -327,3 +327,34 @@ def test_an_extension_without_new_tokens_keeps_no_copy_of_its_own(llm: Llama) ->
     two = _states(llm)["two segments"]
     again = two.extended(two.n_tokens, two.tokens, None, 0, llm._read_seq_bytes())
     assert again.restore_copy is two.restore_copy
+
+
+@pytest.mark.parametrize("v_trans", [True, False], ids=["values-transposed", "values-by-token"])
+def test_cells_written_out_of_position_order_are_parsed_into_position_order(v_trans: bool) -> None:
+    # An engine's sequence holds cells all over the pool: llama.cpp writes them in cell order.
+    from llama_cache.state.kv_layout import SEQ_STATE_MAGIC
+
+    n, k_row, embd, el = 300, 8, 6, 2
+    positions = np.random.default_rng(3).permutation(n)
+    cells = np.zeros(n, dtype=[("pos", "<i4"), ("n_seq", "<u4"), ("seq", "<i4")])
+    cells["pos"], cells["n_seq"] = positions, 1
+    parts = [np.array([SEQ_STATE_MAGIC, 0, 1, n], "<u4").tobytes(), cells.tobytes(),
+             np.array([int(v_trans), 2], "<u4").tobytes()]
+    for layer in range(2):  # each cell's key row says its position and layer
+        rows = np.repeat(((positions * 7 + layer) % 251).astype(np.uint8)[:, None], k_row, axis=1)
+        parts += [np.array([1], "<i4").tobytes(), np.array([k_row], "<u8").tobytes(), rows.tobytes()]
+    for layer in range(2):  # each value element says its position, dimension and layer
+        element = (positions[None, :] * 3 + np.arange(embd)[:, None] * 11 + layer).astype("<u2")  # (embd, n)
+        if v_trans:
+            parts += [np.array([1], "<i4").tobytes(), np.array([el, embd], "<u4").tobytes(), element.tobytes()]
+        else:
+            parts += [np.array([1], "<i4").tobytes(), np.array([embd * el], "<u8").tobytes(), element.T.copy().tobytes()]
+    parsed = parse_seq_state(np.frombuffer(b"".join(parts), dtype=np.uint8))
+    assert parsed is not None
+    layout, segment = parsed
+    in_order = np.arange(n)
+    for layer in range(2):
+        assert np.array_equal(segment.k[layer][:, 0], ((in_order * 7 + layer) % 251).astype(np.uint8))
+        expected = (in_order[None, :] * 3 + np.arange(embd)[:, None] * 11 + layer).astype("<u2")
+        got = segment.v[layer].view("<u2")
+        assert np.array_equal(got if v_trans else got.T, expected)

@@ -212,7 +212,7 @@ class Engine:
 
     def figures(self) -> dict[str, float]:
         """The engine's counters and gauges now (for metrics): sequences waiting, tokens evaluated,
-        decodes, tokens shared and restored, evictions, preemptions, the seconds in steps and in
+        decodes, tokens shared and restored, evictions, idle sequences parked, preemptions, the seconds in steps and in
         ``llama_decode`` alone, the KV pool and its cells in use,
         and the step budget's measurements (0 until measured) with the prompt rows it allows a step
         beside generating sequences."""
@@ -220,7 +220,7 @@ class Engine:
         budget = self.scheduler.step_budget
         return {"waiting": self.scheduler.waiting, "tokens": stats.tokens, "steps": stats.steps,
                 "shared_tokens": stats.shared_tokens, "restored_tokens": stats.restored_tokens,
-                "evicted_sequences": stats.evicted, "preempted": stats.preempted,
+                "evicted_sequences": stats.evicted, "parked_sequences": stats.parked, "preempted": stats.preempted,
                 "step_seconds": stats.step_seconds, "decode_seconds": stats.decode_seconds,
                 "kv_cells": self.context.n_ctx, "kv_cells_in_use": self.residency.cells_in_use(),
                 "decode_step_seconds": budget.decode_step or 0.0, "prompt_row_seconds": budget.prompt_row or 0.0,
