@@ -9,7 +9,8 @@ A prompt starts from the longest of: cells a live or idle sequence of its cache 
 (shared with ``llama_memory_seq_cp``), a state of the cache tiers (restored into its sequence), a
 checkpoint of an idle sequence on its path (recurrent and hybrid models: :mod:`.rollback`), or
 nothing. Finished sequences stay in the context, idle, as the fastest tier; they go to the cache tiers
-when evicted, and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
+when evicted, when parked (their cells cost running sequences more than a store and a restore: see
+:mod:`.scheduler`), and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
 processes should find the state now), every finished completion's state is stored as it ends.
 
 Thread-safety: every public method may be called from any thread; the scheduler's thread alone

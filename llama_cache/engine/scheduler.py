@@ -38,6 +38,13 @@ the cache tiers first (``store``); if that is not enough, the youngest running g
 preempted: its cells are dropped and it waits, first in line, to evaluate its tokens again (a greedy
 answer is unchanged). A decode never fails for want of cells.
 
+Parking: in one unified pool every row attends over every cell up to the highest in use, idle
+sequences' cells too. An idle sequence is stored in the cache tiers and emptied once the rows
+decoded since it went idle, times the cells it holds alone, reach :data:`PARK_RATIO` times its tokens
+(what a store and a later restore cost, measured), and before a restore or a prompt is placed if
+that prompt's rows would take it there: the new cells then go to the bottom of the emptied pool.
+Only with a unified pool, cache tiers, and a model whose memory can be cut back.
+
 Thread-safety: :meth:`Scheduler.submit`, :meth:`Scheduler.wake`, :meth:`Scheduler.close` and the
 counters may be used from any thread; everything else runs on the scheduler's thread.
 """
