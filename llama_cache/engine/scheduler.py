@@ -43,7 +43,9 @@ sequences' cells too. An idle sequence is stored in the cache tiers and emptied 
 decoded since it went idle, times the cells it holds alone, reach :data:`PARK_RATIO` times its tokens
 (what a store and a later restore cost, measured), and before a restore or a prompt is placed if
 that prompt's rows would take it there: the new cells then go to the bottom of the emptied pool.
-Only with a unified pool, cache tiers, and a model whose memory can be cut back.
+Kept: a sequence a queued request would mostly reuse (its next turn), and one holding more than half its cells in common
+with others (a restore would hold its own copy of them). Only with a unified pool, cache tiers, and
+a model whose memory can be cut back.
 
 Thread-safety: :meth:`Scheduler.submit`, :meth:`Scheduler.wake`, :meth:`Scheduler.close` and the
 counters may be used from any thread; everything else runs on the scheduler's thread.
@@ -551,13 +553,26 @@ class Scheduler:
         """
         if self._store is None or not self.context.shares_cells or self.residency.whole_states_only:
             return
-        for resident in self.residency.idle():
-            if resident is keep:
+        idle = self.residency.idle()
+        if not idle:
+            return
+        with self._condition:
+            queued = [*self._inbox, *self._waiting]
+        wanted = set()  # the sequences a queued request would go on from, mostly (a next turn)
+        for generation in queued:
+            source, reused = self.residency.reusable(generation.tokens(), generation.fingerprint)
+            if source is not None and 2 * reused >= source.n:
+                wanted.add(id(source))
+        for resident in idle:
+            if resident is keep or id(resident) in wanted:
                 continue
             seen = self._idle_rows.get(resident.seq, 0) + rows
             if not forecast:
                 self._idle_rows[resident.seq] = seen
-            if seen * self.residency.exclusive_cells(resident) >= PARK_RATIO * resident.n:
+            own = self.residency.exclusive_cells(resident)
+            # Mostly shared cells (a system prompt beside other conversations) stay: a restore would
+            # hold its own copy of them, for every row to attend over.
+            if 2 * own >= resident.n and seen * own >= PARK_RATIO * resident.n:
                 self._store_resident(resident)
                 self.context.cut(resident.seq)
                 self.residency.emptied(resident)
