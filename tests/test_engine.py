@@ -196,51 +196,12 @@ def test_an_evicted_sequence_goes_to_the_tiers_and_comes_back_from_them() -> Non
         long = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 4)
         _greedy(engine, long, 2)
         other = engine.model.tokenize(b"Something else entirely, about mountains.")
-        _greedy(engine, other, 2)  # one sequence id: the first is parked (or evicted), its state stored first
-        stats = engine.scheduler.stats
-        assert stats.evicted + stats.parked >= 1 and len(cache) >= 1
+        _greedy(engine, other, 2)  # one sequence id: the first is evicted, its state stored first
+        assert engine.scheduler.stats.evicted >= 1 and len(cache) >= 1
         more = long + engine.model.tokenize(b" Name one:", add_bos=False)
         _, evaluated = _greedy(engine, more, 2)
         assert engine.scheduler.stats.restored_tokens >= len(long) - 1
         assert evaluated <= len(more) - len(long) + 1
-
-
-def test_an_idle_conversation_is_parked_while_another_runs_and_restored_at_its_next_turn(reference: Llama) -> None:
-    first = reference.tokenize(b"Notes on the harbours of the Baltic sea and their ships. " * 8)
-    second = reference.tokenize(b"A long account of mountains, their passes and their weather. " * 8)
-    cache = LlamaRAMCache(capacity_bytes=1 << 30)
-    with Engine(n_ctx=2048, parallel=2, cache=cache) as engine:
-        _greedy(engine, first, 4)
-        held = engine.residency.cells_in_use()
-        _greedy(engine, second, 24)  # the first is idle: the second's rows would attend over its cells
-        stats = engine.scheduler.stats
-        assert stats.parked >= 1 and stats.evicted == 0
-        assert engine.residency.cells_in_use() < held + len(second) + 24  # the first's cells are freed
-        more = first + reference.tokenize(b" Name one:", add_bos=False)
-        _, evaluated = _greedy(engine, more, 2)
-        assert stats.restored_tokens >= len(first)  # its next turn starts from the parked state
-        assert evaluated <= len(more) - len(first) + 1
-    with Engine(n_ctx=2048, parallel=2) as engine:  # nowhere to park: idle sequences stay
-        _greedy(engine, first, 4)
-        _greedy(engine, second, 24)
-        _, evaluated = _greedy(engine, first + reference.tokenize(b" Name one:", add_bos=False), 2)
-        assert engine.scheduler.stats.parked == 0 and evaluated <= 6
-
-
-def test_parking_frees_only_what_an_idle_sequence_holds_alone() -> None:
-    from llama_cache.engine.residency import Residency
-
-    residency = Residency(3)
-    a, b, c = residency.residents
-    residency.claim(a, "ns")
-    residency.appended(a, np.arange(100, dtype=np.int32))
-    residency.claim(b, "ns")
-    residency.copied(a, b, 60)  # b shares a's first 60 cells
-    residency.appended(b, np.arange(40, dtype=np.int32))
-    assert residency.exclusive_cells(a) == 40 and residency.exclusive_cells(b) == 40
-    assert residency.exclusive_cells(c) == 0
-    residency.emptied(b)
-    assert residency.exclusive_cells(a) == 100
 
 
 def test_a_full_pool_preempts_and_every_request_is_answered_whole() -> None:

@@ -9,8 +9,7 @@ A prompt starts from the longest of: cells a live or idle sequence of its cache 
 (shared with ``llama_memory_seq_cp``), a state of the cache tiers (restored into its sequence), a
 checkpoint of an idle sequence on its path (recurrent and hybrid models: :mod:`.rollback`), or
 nothing. Finished sequences stay in the context, idle, as the fastest tier; they go to the cache tiers
-when evicted, when parked (their cells cost running sequences more than a store and a restore: see
-:mod:`.scheduler`), and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
+when evicted, and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
 processes should find the state now), every finished completion's state is stored as it ends.
 
 Thread-safety: every public method may be called from any thread; the scheduler's thread alone
@@ -213,7 +212,7 @@ class Engine:
 
     def figures(self) -> dict[str, float]:
         """The engine's counters and gauges now (for metrics): sequences waiting, tokens evaluated,
-        decodes, tokens shared and restored, evictions, idle sequences parked, preemptions, the seconds in steps and in
+        decodes, tokens shared and restored, evictions, preemptions, the seconds in steps and in
         ``llama_decode`` alone, the KV pool and its cells in use,
         and the step budget's measurements (0 until measured) with the prompt rows it allows a step
         beside generating sequences."""
@@ -221,7 +220,7 @@ class Engine:
         budget = self.scheduler.step_budget
         return {"waiting": self.scheduler.waiting, "tokens": stats.tokens, "steps": stats.steps,
                 "shared_tokens": stats.shared_tokens, "restored_tokens": stats.restored_tokens,
-                "evicted_sequences": stats.evicted, "parked_sequences": stats.parked, "preempted": stats.preempted,
+                "evicted_sequences": stats.evicted, "preempted": stats.preempted,
                 "step_seconds": stats.step_seconds, "decode_seconds": stats.decode_seconds,
                 "kv_cells": self.context.n_ctx, "kv_cells_in_use": self.residency.cells_in_use(),
                 "decode_step_seconds": budget.decode_step or 0.0, "prompt_row_seconds": budget.prompt_row or 0.0,

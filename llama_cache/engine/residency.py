@@ -129,18 +129,6 @@ class Residency:
                         reach[block] = (start, end)
         return sum(end - start for start, end in reach.values())
 
-    def exclusive_cells(self, resident: Resident) -> int:
-        """Cells only ``resident`` holds: what emptying it frees. O(spans)."""
-        with self._lock:
-            reach: dict[int, int] = {}  # block -> furthest end among the other holders
-            for other in self.residents:
-                if other is not resident:
-                    for block, _, end in other.spans:
-                        reach[block] = max(end, reach.get(block, end))
-            # Every holder of a block holds it from the same start (copies are cut heads).
-            return sum(end - max(start, reach.get(block, start)) for block, start, end in resident.spans
-                       if end > reach.get(block, start))
-
     # -- changes (the scheduler's thread) ---------------------------------------------------------
 
     def claim(self, resident: Resident, fingerprint: str) -> None:

@@ -38,15 +38,6 @@ the cache tiers first (``store``); if that is not enough, the youngest running g
 preempted: its cells are dropped and it waits, first in line, to evaluate its tokens again (a greedy
 answer is unchanged). A decode never fails for want of cells.
 
-Parking: in one unified pool every row attends over every cell up to the highest in use, idle
-sequences' cells too. An idle sequence is stored in the cache tiers and emptied once the rows
-decoded since it went idle, times the cells it holds alone, reach :data:`PARK_RATIO` times its tokens
-(what a store and a later restore cost, measured), and before a restore or a prompt is placed if
-that prompt's rows would take it there: the new cells then go to the bottom of the emptied pool.
-Kept: a sequence a queued request would mostly reuse (its next turn), and one holding more than half its cells in common
-with others (a restore would hold its own copy of them). Only with a unified pool, cache tiers, and
-a model whose memory can be cut back.
-
 Thread-safety: :meth:`Scheduler.submit`, :meth:`Scheduler.wake`, :meth:`Scheduler.close` and the
 counters may be used from any thread; everything else runs on the scheduler's thread.
 """
@@ -71,8 +62,7 @@ from llama_cache.engine.sampling import Sampler
 from llama_cache.engine.step_budget import StepBudget
 from llama_cache.state.llama_state import LlamaState
 
-__all__ = ["DETERMINISTIC_ROWS", "MIN_SHARED_TOKENS", "PARK_RATIO", "STALLED_STEPS", "Generation", "Scheduler",
-           "SchedulerStats"]
+__all__ = ["DETERMINISTIC_ROWS", "MIN_SHARED_TOKENS", "STALLED_STEPS", "Generation", "Scheduler", "SchedulerStats"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +72,6 @@ template's first few tokens)."""
 
 STALLED_STEPS = 8
 """A prompt passed over this many steps in a row reads its chunk before shorter ones (no starvation)."""
-
-PARK_RATIO = 8
-"""An idle sequence is parked once ``rows x its own cells >= PARK_RATIO x its tokens``, ``rows`` the
-rows decoded since it went idle: with the default model, storing a token and restoring it later cost
-about what one of its cells costs 8 query rows attending over it (flash attention off)."""
 
 DETERMINISTIC_ROWS = 63
 """The most rows of a decode in deterministic mode: llama.cpp's CPU flash attention tiles 64 query
@@ -161,8 +146,6 @@ class SchedulerStats:
     """Whole steps, decode included: ``step_seconds - decode_seconds`` is the Python around it
     (admission, filling the batch, sampling, text and streaming)."""
     evicted: int = 0
-    parked: int = 0
-    """Idle sequences moved to the cache tiers so that running ones stop attending over their cells."""
     preempted: int = 0
     shared_tokens: int = 0
     """Tokens a sequence took from another's cells instead of evaluating them."""
@@ -211,7 +194,6 @@ class Scheduler:
         self._waiting: deque[Generation] = deque()
         self._running: list[Generation] = []
         self._orders = 0
-        self._idle_rows: dict[int, int] = {}  # sequence id -> rows decoded since it went idle
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="llama-cache-engine", daemon=True)
         self._thread.start()
@@ -322,7 +304,6 @@ class Scheduler:
                         self._finish(generation, "error", error)
                 return True
             self.stats.steps += 1
-            self._park_idle(rows)
             self.stats.step_seconds += time.perf_counter() - started
             return True
         for generation in list(self._running):
@@ -374,7 +355,6 @@ class Scheduler:
         elif restore is None and source is not None and not source.busy and source.n == reused:
             target = source  # a conversation's next turn: its sequence goes on
         else:
-            self._park_idle(len(tokens) - max(reused, usable), forecast=True, keep=source)
             target = residency.free() or self._evict_one(keep=source)
             if target is None and restore is None and source is not None and not source.busy:
                 # The only sequence to be had holds this head: it goes on from there, its tail stored.
@@ -537,47 +517,6 @@ class Scheduler:
             self.stats.evicted += 1
             return resident
         return None
-
-    def _park_idle(self, rows: int, *, forecast: bool = False, keep: Resident | None = None) -> None:
-        """Move to the cache tiers the idle sequences whose cells cost the running ones more than a
-        store and a later restore would (:data:`PARK_RATIO`), ``rows`` being the rows of the step just
-        decoded, or (``forecast``) the prompt rows a generation being placed will add; ``keep`` stays.
-
-        In one unified pool every row attends over every cell up to the highest in use, an idle
-        conversation's too: with five users' conversations idle beside one user's, each of that
-        user's tokens took 2.6x its time alone. Parking before a restore or a prompt is placed also
-        lets llama.cpp put its cells at the bottom of the emptied pool (it starts looking from the
-        first cell when enough lie free below its last place), which is what keeps the cells attended
-        over few. Only with cells shared (a unified pool), tiers to store into, and a model whose
-        memory can be cut back (recurrent and hybrid ones keep theirs).
-        """
-        if self._store is None or not self.context.shares_cells or self.residency.whole_states_only:
-            return
-        idle = self.residency.idle()
-        if not idle:
-            return
-        with self._condition:
-            queued = [*self._inbox, *self._waiting]
-        wanted = set()  # the sequences a queued request would go on from, mostly (a next turn)
-        for generation in queued:
-            source, reused = self.residency.reusable(generation.tokens(), generation.fingerprint)
-            if source is not None and 2 * reused >= source.n:
-                wanted.add(id(source))
-        for resident in idle:
-            if resident is keep or id(resident) in wanted:
-                continue
-            seen = self._idle_rows.get(resident.seq, 0) + rows
-            if not forecast:
-                self._idle_rows[resident.seq] = seen
-            own = self.residency.exclusive_cells(resident)
-            # Mostly shared cells (a system prompt beside other conversations) stay: a restore would
-            # hold its own copy of them, for every row to attend over.
-            if 2 * own >= resident.n and seen * own >= PARK_RATIO * resident.n:
-                self._store_resident(resident)
-                self.context.cut(resident.seq)
-                self.residency.emptied(resident)
-                self._idle_rows.pop(resident.seq, None)
-                self.stats.parked += 1
 
     def _store_resident(self, resident: Resident) -> None:
         if self._store is None or resident.n == 0 or resident.stored >= resident.n:
@@ -793,7 +732,6 @@ class Scheduler:
                 except Exception as failure:  # noqa: BLE001 - the answer stands without its state
                     logger.warning("could not read a finished sequence's state: %s", failure)
             self.residency.release(resident)
-            self._idle_rows[resident.seq] = 0
         if generation in self._running:
             self._running.remove(generation)
         generation.sampler.close()

@@ -23,8 +23,6 @@ figures are read when ``/metrics`` is scraped, from ``cache.stats()``, the gate 
     llama_cache_engine_shared_tokens_total              prompt tokens taken from another sequence's cells
     llama_cache_engine_restored_tokens_total            prompt tokens restored from the cache tiers
     llama_cache_engine_evicted_sequences_total          idle sequences evicted (their state stored first)
-    llama_cache_engine_parked_sequences_total           idle sequences moved to the tiers so that running ones
-                                                        stop attending over their cells
     llama_cache_engine_preempted_total                  generations whose cells were dropped for want of room
     llama_cache_engine_step_seconds_total               seconds in the engine's steps: decode, sampling, streaming
     llama_cache_engine_decode_seconds_total             seconds of those in ``llama_decode`` alone (the rest,
@@ -118,7 +116,6 @@ _ENGINE_COUNTERS = {
     "shared_tokens": "Prompt tokens taken from another sequence's cells (llama_memory_seq_cp)",
     "restored_tokens": "Prompt tokens restored from the cache tiers into a sequence",
     "evicted_sequences": "Idle sequences evicted for room (their state stored in the tiers first)",
-    "parked_sequences": "Idle sequences moved to the cache tiers so that running ones stop attending over their cells",
     "preempted": "Generations whose cells were dropped for want of room (they evaluate again)",
     "step_seconds": "Seconds in the engine's steps (admission, batch, decode, sampling, streaming)",
     "decode_seconds": "Seconds of those in llama_decode alone",
