@@ -49,9 +49,10 @@ Python around each
 decode (step time less decode time); measured as the difference of two runs of 128 and 1 generated
 tokens, so that the prompts' evaluation cancels out and the steps left are every decode of the 128
 tokens, over the same cells in use as ``llama-batched-bench``'s ``-ntg 128`` (each step's attention
-grows with them: the last 64 steps alone cost more than the average). The three are run ``--rounds`` times, alternated
-(the machine's speed drifts by more than the target's margin between runs a minute apart), and the
-round with the median ratio is reported (``step_ratios``: every round's). And **deterministic**: the same 8 sequences in
+grows with them: the last 64 steps alone cost more than the average). The three are run alternated
+(the machine's speed drifts by more than the target's margin between runs a minute apart),
+``--step-rounds`` times (default 5: a round takes about a minute, and one slow spell moves a median of
+three), and the round with the median ratio is reported (``step_ratios``: every round's). And **deterministic**: the same 8 sequences in
 deterministic mode, the throughput it costs.
 
 Prints the tables with the issue's targets, met or not, and writes
@@ -331,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama-cpp-python's examples/server/server.py (or $LLAMA_CPP_PYTHON_EXAMPLE_SERVER)")
     parser.add_argument("--scenarios", default="decode,burst,step,deterministic")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--step-rounds", type=int, default=5, help="rounds of the step scenario (default 5)")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -360,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"n_ctx_per_sequence": args.n_ctx, "parallel": args.clients, "threads": args.threads,
                      "n_batch": settings.n_batch, "flash_attn": args.flash_attn, "clients": args.clients, "turns": args.turns,
                      "max_tokens": args.max_tokens, "system_tokens": args.system_tokens,
-                     "burst_tokens": args.burst_tokens, "rounds": args.rounds, "cache_ram_mib": CACHE_RAM_MIB},
+                     "burst_tokens": args.burst_tokens, "rounds": args.rounds,
+                     "step_rounds": args.step_rounds, "cache_ram_mib": CACHE_RAM_MIB},
         "sides": {name: LABELS[name] for name in names}, "commands": {}, "runs": {}}
     systems = {"decode": system_prompt(args.system_tokens, 1), "burst": system_prompt(args.burst_tokens, 2)}
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -389,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         print("step: llama-batched-bench and the engine...", file=sys.stderr, flush=True)
         binary = batched if batched and batched.is_file() else None
         rounds = []
-        for _ in range(args.rounds):  # alternated: the machine's speed drifts by more than the target's margin
+        for _ in range(args.step_rounds):  # alternated: the machine's speed drifts by more than the target's margin
             rounds.append({"batched_bench": batched_bench(binary, args.threads, args.flash_attn, False),
                            "batched_bench_unified": batched_bench(binary, args.threads, args.flash_attn, True),
                            "engine_step": engine_steps(8, args.threads, args.flash_attn, False)})
