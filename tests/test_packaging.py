@@ -35,6 +35,18 @@ def test_import_does_not_load_redis(tmp_path: Path) -> None:
     assert result.stdout.strip() == "[]"
 
 
+def test_a_server_without_redis_or_structured_outputs_loads_neither(tmp_path: Path) -> None:
+    # redis-py and llguidance cost a server about 6 MB of memory it holds for nothing when no Redis tier
+    # is configured and no client asks for a schema or grammar: they are imported when first needed.
+    probe = ("import sys; from llama_cache.server.app import create_app; from llama_cache.server.config import ServerConfig; "
+             "from llama_cache.server.service import load_service; "
+             "config = ServerConfig(n_ctx=256, parallel=1); service = load_service(config); create_app(service, config); "
+             "print(sorted(m for m in ('redis', 'hiredis', 'llguidance') if m in sys.modules)); "
+             "service.constraints.compile({'type': 'integer'}); print('llguidance' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["[]", "True"]
+
+
 def test_the_redis_tier_is_exported_on_first_access() -> None:
     assert "LlamaRedisCache" in llama_cache.__all__
     assert "LlamaRedisCache" in dir(llama_cache)

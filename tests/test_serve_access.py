@@ -30,7 +30,7 @@ import redis
 import trustme
 
 from llama_cache import LlamaRedisCache
-from llama_cache.caches.redis_tier import redact_url
+from llama_cache.caches.redis_urls import redact_url
 from llama_cache.server import ServerConfig, create_app, load_service, serve
 from llama_cache.server.access import ApiKeyMiddleware, is_loopback
 from llama_cache.server.config import DEFAULT_PARALLEL, add_serve_command, config_from_args

@@ -1,11 +1,11 @@
-"""The Redis client side of the shared tier: URLs (several nodes, credentials, TLS, redaction), the
-client made from one, and pipelines that keep going when one cluster node is lost.
+"""The Redis client side of the shared tier: URLs (several nodes, credentials, TLS), the client made
+from one, and pipelines that keep going when one cluster node is lost.
 
 :func:`connect` makes a redis-py client from a URL; a URL naming several ``host:port`` nodes gives a
 cluster client whose every node gets the URL's credentials, scheme and options. :func:`pipelined` runs
 single-key commands in one round trip per node: on a cluster each node is sent its own commands, so a
 lost node fails only its own (within one socket timeout) instead of the whole call.
-:func:`redact_url` and :func:`url_secrets` keep passwords out of log lines and ``repr``. The
+(:mod:`llama_cache.caches.redis_urls` keeps passwords out of log lines and ``repr``.) The
 connections :func:`connect` makes (:class:`ChunkConnection`, :class:`ChunkSSLConnection`) can also hand
 their socket's bytes to a reader that parses replies in place (:mod:`llama_cache.caches.redis_transfer`).
 
@@ -14,18 +14,16 @@ Thread-safety: the functions keep no state; redis-py's clients are thread-safe.
 
 from __future__ import annotations
 
-import re
 import socket
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import unquote
 
 import redis
 import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-__all__ = ["ChunkConnection", "ChunkSSLConnection", "InPlaceReads", "connect", "pipelined", "redact_url", "url_secrets"]
+__all__ = ["ChunkConnection", "ChunkSSLConnection", "InPlaceReads", "connect", "pipelined"]
 
 
 class InPlaceReads:
@@ -109,39 +107,6 @@ def pipelined(client: Any, commands: Sequence[tuple[Any, tuple[Any, ...]]], *, s
     return replies
 
 
-_PASSWORD_ARGUMENT = re.compile(r"([?&]password=)([^&#]*)", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``url`` fit for a log line: its password, and any ``password=`` query argument, as ``***``.
-
-    ``redis://user:secret@host:6379/0`` becomes ``redis://user:***@host:6379/0`` and
-    ``redis://:secret@host:6379`` ``redis://:***@host:6379``. User information without a colon
-    (``redis://secret@host``, often meant as a password) is replaced whole. Everything up to the last
-    ``@`` counts as user information, so an ``@`` inside an unescaped password is covered too. A URL
-    without credentials is returned unchanged.
-    """
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        scheme, rest = "", url
-    userinfo, at, location = rest.rpartition("@")
-    if at:
-        user, colon, _ = userinfo.partition(":")
-        rest = f"{user}:***@{location}" if colon else f"***@{location}"
-    return scheme + separator + _PASSWORD_ARGUMENT.sub(r"\1***", rest)
-
-
-def url_secrets(url: str) -> list[str]:
-    """What :func:`redact_url` hides, as written and percent-decoded, longest first: to scrub messages."""
-    rest = url.partition("://")[2] or url
-    userinfo, at, _ = rest.rpartition("@")
-    user, colon, password = userinfo.partition(":")
-    secrets = [password if colon else user] if at else []
-    secrets += [match.group(2) for match in _PASSWORD_ARGUMENT.finditer(rest)]
-    found = {text for secret in secrets for text in (secret, unquote(secret)) if text}
-    return sorted(found, key=len, reverse=True)
-
-
 def connect(url: str, timeout: float, cluster: bool) -> Any:
     """A redis-py client for ``url`` with every call bounded by ``timeout``.
 
@@ -170,7 +135,7 @@ def _split_nodes(url: str) -> tuple[str, list[str]]:
     """``url`` naming its first node only, and the other ``host:port`` nodes it names.
 
     ``rediss://u:p@h1:1,h2:2/0?x=y`` gives ``rediss://u:p@h1:1/0?x=y`` and ``["h2:2"]``. Everything up
-    to the last ``@`` is user information (as :func:`redact_url` reads it).
+    to the last ``@`` is user information (as :func:`~llama_cache.caches.redis_urls.redact_url` reads it).
     """
     scheme, separator, rest = url.partition("://")
     if not separator:

@@ -37,7 +37,7 @@ bounded by ``timeout`` seconds; a failing lookup is a miss and a failing store i
 once per outage (at WARNING) and counted in ``stats().store_errors`` and :attr:`errors`; redis-py
 reconnects by itself on the next call. Nothing raises out of a lookup or a store. ``rediss://`` URLs,
 passwords and usernames pass through to redis-py, for every node of a multi-node URL too; the password
-never reaches a log line or ``repr`` (:func:`redact_url`, and redis-py's error messages are scrubbed of
+never reaches a log line or ``repr`` (:func:`~llama_cache.caches.redis_urls.redact_url`, and redis-py's error messages are scrubbed of
 it before they are logged). A cluster client is made on first use, not in the constructor. URLs, the
 client and per-node pipelines live in :mod:`llama_cache.caches.redis_client`.
 
@@ -71,7 +71,8 @@ import redis.cluster
 from llama_cache.caches import redis_keys
 from llama_cache.caches import redis_sweep, redis_transfer
 from llama_cache.caches.base import DEFAULT_CAPACITY_BYTES, BaseLlamaCache, CacheStats
-from llama_cache.caches.redis_client import connect, pipelined, redact_url, url_secrets
+from llama_cache.caches.redis_client import connect, pipelined
+from llama_cache.caches.redis_urls import redact_url, url_secrets
 from llama_cache.caches.redis_frames import decode_frame, frame_size
 from llama_cache.caches.redis_scripts import STORE_SCRIPT, TOUCH_SCRIPT
 from llama_cache.state.chunks import (
@@ -92,7 +93,7 @@ from llama_cache.state.kv_layout import KVLayout, KVSegment
 from llama_cache.state.llama_state import LlamaState
 from llama_cache.tokens import as_token_array
 
-__all__ = ["LlamaRedisCache", "redact_url"]
+__all__ = ["LlamaRedisCache"]
 
 logger = logging.getLogger("llama_cache.caches.redis")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from llama_cache.caches.redis_tier import redact_url
+from llama_cache.caches.redis_urls import redact_url
 from llama_cache.engine.context import flash_attention_for
 
 __all__ = ["ServerConfig", "add_serve_command", "auto_on_off", "comma_list", "config_from_args", "on_off",

@@ -27,6 +27,9 @@ between JSON tokens is bounded to 20 characters per gap, for the same reason.
 
 Thread-safety: a compiler may be used by any number of threads at once (llguidance's tokenizer is
 immutable, and building a grammar releases the GIL); a sequence constraint by one thread at a time.
+
+llguidance (and the GBNF converter on it) is imported at a compiler's first compile, not with this
+module: a server whose clients never ask for structured outputs does not hold it (about 5 MB).
 """
 
 from __future__ import annotations
@@ -38,19 +41,19 @@ import threading
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llama_cpp
-import llguidance
-import llguidance.llamacpp
 import numpy as np
 import numpy.typing as npt
 
 from llama_cache.server import schema_refusals
-from llama_cache.server.grammar_refusals import GbnfGrammar
 from llama_cache.server.refusals import ConstraintError, SchemaPart, clean, is_limit
 from llama_cache.server.schema_ending import unending
 from llama_cache.server.schema_nodes import Pointer, SchemaIndex, pointer_text
+
+if TYPE_CHECKING:
+    import llguidance
 
 __all__ = ["JSON_WHITESPACE_PATTERN", "ConstraintCompiler", "ConstraintError", "ConstraintLimits", "SchemaPart",
            "SequenceConstraint"]
@@ -90,6 +93,8 @@ class ConstraintLimits:
 
     def parser_limits(self) -> llguidance.LLParserLimits:
         """These bounds as llguidance's ``LLParserLimits`` (error messages without the grammar's text)."""
+        import llguidance
+
         return llguidance.LLParserLimits(
             max_items_in_row=self.max_items_in_row,
             initial_lexer_fuel=self.initial_lexer_fuel,
@@ -129,7 +134,6 @@ class ConstraintCompiler:
         self._vocab = vocab
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._reading = threading.Lock()
-        self._parser_limits = self.limits.parser_limits()
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -140,6 +144,8 @@ class ConstraintCompiler:
             return tokenizer
         with self._reading:
             if self._tokenizer is None:
+                import llguidance.llamacpp
+
                 with warnings.catch_warnings():
                     # llguidance 1.9.1 reads token attributes with a call llama-cpp-python 0.3.36 deprecates
                     # (once per token); the replacement returns the same values.
@@ -177,6 +183,8 @@ class ConstraintCompiler:
             raise ConstraintError("the schema is false: no value follows it")
         elif not isinstance(schema, Mapping):
             raise ConstraintError(f"the schema must be an object or a boolean, not {_json_kind(schema)}")
+        import llguidance
+
         try:
             text = json.dumps(_closed_objects(schema), allow_nan=False)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(text, overrides=_JSON_OPTIONS)
@@ -213,6 +221,10 @@ class ConstraintCompiler:
             ConstraintError: the grammar is invalid, unsupported, matches no finite text, or is past a
                 limit; the message names the rule and line at fault and why.
         """
+        import llguidance
+
+        from llama_cache.server.grammar_refusals import GbnfGrammar
+
         grammar = GbnfGrammar.convert(gbnf)
         matcher = self._matcher(llguidance.LLMatcher.grammar_from_lark(grammar.lark))
         if not matcher.is_error():
@@ -228,7 +240,9 @@ class ConstraintCompiler:
         raise ConstraintError(grammar.describe(raw))
 
     def _matcher(self, grammar: str) -> llguidance.LLMatcher:
-        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self._parser_limits)
+        import llguidance
+
+        return llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=self.limits.parser_limits())
 
     def _constraint(self, matcher: llguidance.LLMatcher) -> SequenceConstraint:
         return SequenceConstraint(matcher, self.tokenizer.vocab_size, self.n_vocab, self.end_tokens)

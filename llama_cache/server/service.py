@@ -16,7 +16,7 @@ import llama_cpp
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.caches.disk import LlamaDiskCache
 from llama_cache.caches.ram import LlamaRAMCache
-from llama_cache.caches.redis_tier import LlamaRedisCache, redact_url
+from llama_cache.caches.redis_urls import redact_url
 from llama_cache.caches.tiered import TieredCache
 from llama_cache.engine.engine import Engine
 from llama_cache.server.config import ServerConfig
@@ -98,6 +98,8 @@ def load_service(config: ServerConfig) -> Service:
     if config.cache_dir is not None:
         tiers.append(("disk", LlamaDiskCache(config.cache_dir, capacity_bytes=config.cache_disk)))
     if config.redis_url is not None:
+        from llama_cache.caches.redis_tier import LlamaRedisCache  # redis-py, only for a server that uses it
+
         tiers.append(("redis", LlamaRedisCache(config.redis_url, capacity_bytes=config.cache_redis)))
         logger.info("prompt cache: sharing states through Redis at %s", redact_url(config.redis_url))
     # With a Redis tier, other instances serve the same conversations: the state ending a completion is
