@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import llama_cpp
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -22,8 +23,8 @@ CHAIN_GREEDY = SamplerSettings(temperature=0.0, presence_penalty=0.5)
 
 
 @pytest.fixture(scope="module")
-def decoded() -> Iterator[BatchContext]:
-    """A context whose batch row 0 holds the logits after a short prompt."""
+def decoded() -> Iterator[tuple[BatchContext, int, npt.NDArray[np.float32]]]:
+    """A context whose batch row ``row`` holds the logits after a short prompt, and a copy of them."""
     model = Model(default_model_path())
     context = BatchContext(model, ContextSettings(n_ctx=256, n_seq_max=1, n_batch=64))
     try:
@@ -35,15 +36,18 @@ def decoded() -> Iterator[BatchContext]:
         context.wants_logits[:n] = 0
         context.wants_logits[n - 1] = 1
         context.decode(n)
-        yield context
+        yield context, n - 1, context.logits_row(n - 1).copy()
     finally:
         context.close()
         model.close()
 
 
-def _sample(settings: SamplerSettings, context: BatchContext, row: int, edit: dict[int, float]) -> int:
-    """``settings``' token from ``row`` after setting the logits ``edit`` names (idempotent: the row is
-    llama.cpp's buffer, and each sampler writes the same values into it)."""
+def _sample(settings: SamplerSettings, decoded: tuple[BatchContext, int, npt.NDArray[np.float32]],
+            edit: dict[int, float]) -> int:
+    """``settings``' token from the decoded row with the logits ``edit`` names set (by a processor, as
+    a logit bias would; the row is llama.cpp's buffer, put back as decoded first)."""
+    context, row, original = decoded
+    np.copyto(context.logits_row(row), original)
 
     def processor(_: npt.NDArray[np.intc], logits: npt.NDArray[np.float32]) -> None:
         for token, value in edit.items():
@@ -56,27 +60,42 @@ def _sample(settings: SamplerSettings, context: BatchContext, row: int, edit: di
         sampler.close()
 
 
-def _row(context: BatchContext) -> int:
-    return int(np.flatnonzero(context.wants_logits)[-1])
+def _chain_refused(*_: object) -> int:
+    raise AssertionError("the greedy shortcut should have answered without llama.cpp's sampler chain")
 
 
-def test_greedy_without_penalties_takes_the_chains_token(decoded: BatchContext) -> None:
-    row = _row(decoded)
-    assert _sample(GREEDY, decoded, row, {}) == _sample(CHAIN_GREEDY, decoded, row, {})
+EDITS = {
+    "as decoded": lambda top, n: {},
+    "tie": lambda top, n: {900: top + 50.0, 300: top + 50.0},  # the first of equal largest logits
+    "infinite tie": lambda top, n: {900: float("inf"), 300: float("inf"), 5: top + 1.0},
+    "all minus infinity": lambda top, n: dict.fromkeys(range(n), float("-inf")),
+}
 
 
-@pytest.mark.parametrize("case", ["tie", "nan_first", "nan_at_the_top", "all_minus_infinity"])
-def test_ties_infinities_and_nans_are_picked_as_the_chain_picks_them(decoded: BatchContext, case: str) -> None:
-    row = _row(decoded)
-    top = float(np.max(decoded.logits_row(row)[:1000]))
-    edit = {
-        "tie": {900: top + 50.0, 300: top + 50.0},  # the first of equal largest logits
-        # NaNs: whatever llama.cpp's chain makes of them (the shortcut hands such a row to it)
-        "nan_first": {0: float("nan"), 700: top + 50.0},
-        "nan_at_the_top": {5: float("nan"), 6: float("nan"), 800: top + 40.0},
-        "all_minus_infinity": dict.fromkeys(range(decoded.n_vocab), float("-inf")),
-    }[case]
-    fast, chain = _sample(GREEDY, decoded, row, edit), _sample(CHAIN_GREEDY, decoded, row, edit)
+@pytest.mark.parametrize("case", list(EDITS))
+def test_greedy_without_penalties_answers_alone_with_the_chains_token(
+        decoded: tuple[BatchContext, int, npt.NDArray[np.float32]], case: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    edit = EDITS[case](float(np.max(decoded[2])), len(decoded[2]))
+    chain = _sample(CHAIN_GREEDY, decoded, edit)
+    with monkeypatch.context() as patched:
+        patched.setattr(llama_cpp, "llama_sampler_sample", _chain_refused)
+        fast = _sample(GREEDY, decoded, edit)
     assert fast == chain
-    if case in ("tie", "all_minus_infinity"):
-        assert fast == {"tie": 300, "all_minus_infinity": 0}[case]
+    expected = {"tie": 300, "infinite tie": 300, "all minus infinity": 0}.get(case)
+    assert expected is None or fast == expected
+
+
+@pytest.mark.parametrize("case", ["nan first", "nan at the top"])
+def test_a_row_with_nans_goes_through_the_chain(decoded: tuple[BatchContext, int, npt.NDArray[np.float32]],
+                                                case: str) -> None:
+    top = float(np.max(decoded[2]))
+    edit = {"nan first": {0: float("nan"), 700: top + 50.0},
+            "nan at the top": {5: float("nan"), 6: float("nan"), 800: top + 40.0}}[case]
+    calls: list[object] = []
+    real = llama_cpp.llama_sampler_sample
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(llama_cpp, "llama_sampler_sample", lambda *a: calls.append(a) or real(*a))
+        fast = _sample(GREEDY, decoded, edit)
+    assert calls, "a row whose largest value numpy finds is NaN is llama.cpp's to answer"
+    assert fast == _sample(CHAIN_GREEDY, decoded, edit)

@@ -14,6 +14,8 @@ import tomllib
 from importlib import metadata
 from pathlib import Path
 
+import pytest
+
 import llama_cache
 from llama_cache.caches import redis_tier
 
@@ -35,6 +37,7 @@ def test_import_does_not_load_redis(tmp_path: Path) -> None:
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.model
 def test_a_server_without_redis_or_structured_outputs_loads_neither(tmp_path: Path) -> None:
     # redis-py and llguidance cost a server about 6 MB of memory it holds for nothing when no Redis tier
     # is configured and no client asks for a schema or grammar: they are imported when first needed.

@@ -719,3 +719,9 @@ def test_tool_choice_required_resolves_each_function_s_references_in_its_own_par
     call = reply.choices[0].message.tool_calls[0]
     assert call.function.name == "weather"
     assert isinstance(json.loads(call.function.arguments)["place"]["city"], str)
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1 << 63, 2.5, True, "100"])
+def test_limits_refuse_what_is_not_a_positive_int(bad: object) -> None:
+    with pytest.raises(ValueError, match="step_lexer_fuel must be a positive int"):
+        ConstraintLimits(step_lexer_fuel=bad)  # type: ignore[arg-type]

@@ -34,6 +34,7 @@ module: a server whose clients never ask for structured outputs does not hold it
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import re
@@ -91,6 +92,11 @@ class ConstraintLimits:
     step_max_items: int = 50_000
     max_lexer_states: int = 100_000
 
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 1 << 63:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
     def parser_limits(self) -> llguidance.LLParserLimits:
         """These bounds as llguidance's ``LLParserLimits`` (error messages without the grammar's text)."""
         import llguidance
@@ -131,6 +137,8 @@ class ConstraintCompiler:
         self.end_tokens = tuple(t for t in range(n_tokens) if llama_cpp.llama_vocab_is_eog(vocab, t))
         if not self.end_tokens or max(self.end_tokens) >= n_vocab:
             raise ValueError("the vocabulary has no end-of-generation token inside the logits rows")
+        if importlib.util.find_spec("llguidance") is None:  # (imported at the first compile)
+            raise ImportError("structured outputs need llguidance, which is not installed")
         self._vocab = vocab
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._reading = threading.Lock()
