@@ -1,0 +1,98 @@
+"""The KV pool's zeroed pages handed back (llama_cache/engine/kv_pages.py): on blocks glibc really maps,
+and on the engine's context with the default model."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from llama_cache import Engine
+from llama_cache.engine.kv_pages import anonymous_ranges, kv_bytes, release_zeroed_block
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc and madvise")
+
+SIZE = 48 << 20  # well past glibc's largest threshold for serving a block from its heap (32 MiB)
+
+
+def _resident_pages(address: int, length: int) -> int:
+    """How many of the pages in ``[address, address + length)`` are in memory (``mincore``)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vector = (ctypes.c_ubyte * pages)()
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), vector) == 0
+    return sum(byte & 1 for byte in vector)
+
+
+@pytest.fixture
+def aligned_block() -> Iterator[tuple[list[tuple[int, int]], int]]:
+    """A block as ggml allocates a KV buffer (``posix_memalign(64, SIZE)``), zeroed as llama.cpp zeroes
+    it, with the mappings read before it was made."""
+    libc = ctypes.CDLL(None)
+    before = anonymous_ranges()
+    pointer = ctypes.c_void_p()
+    assert libc.posix_memalign(ctypes.byref(pointer), 64, ctypes.c_size_t(SIZE)) == 0
+    address = int(pointer.value or 0)
+    ctypes.memset(address, 0, SIZE)
+    try:
+        yield before, address
+    finally:
+        libc.free(pointer)
+
+
+def test_a_zeroed_block_is_handed_back_and_still_reads_and_writes(aligned_block: tuple[list, int]) -> None:
+    before, address = aligned_block
+    assert _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
+    released = release_zeroed_block(before, SIZE)
+    assert SIZE - 2 * mmap.PAGESIZE <= released < SIZE
+    assert _resident_pages(address, SIZE) <= 2  # the pages holding the block's ends, shared with its header
+    view = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), shape=(SIZE,))
+    assert not view.any()  # zeros still
+    view[SIZE // 2] = 7
+    view[-1] = 9
+    assert view[SIZE // 2] == 7 and view[-1] == 9 and int(view.sum()) == 16
+
+
+def test_a_block_holding_data_is_left_alone(aligned_block: tuple[list, int]) -> None:
+    before, address = aligned_block
+    view = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), shape=(SIZE,))
+    view[SIZE // 3] = 1
+    assert release_zeroed_block(before, SIZE) == 0
+    assert view[SIZE // 3] == 1 and _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
+
+
+def test_only_a_block_of_the_size_asked_for_made_since_then_is_released(aligned_block: tuple[list, int]) -> None:
+    before, address = aligned_block
+    assert release_zeroed_block(before, SIZE - mmap.PAGESIZE) == 0  # another size
+    assert release_zeroed_block(before, SIZE + mmap.PAGESIZE) == 0
+    assert release_zeroed_block(anonymous_ranges(), SIZE) == 0  # mapped before "before"
+    assert _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
+
+
+def test_a_plain_malloc_block_is_not_taken_for_one(aligned_block: tuple[list, int]) -> None:
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    before = anonymous_ranges()
+    address = libc.malloc(ctypes.c_size_t(SIZE))  # another allocation's layout (numpy's, say)
+    try:
+        ctypes.memset(address, 0, SIZE)
+        assert release_zeroed_block(before, SIZE) == 0
+        assert _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
+    finally:
+        libc.free(ctypes.c_void_p(address))
+
+
+@pytest.mark.model
+def test_the_engine_holds_only_the_kv_pages_its_cells_use() -> None:
+    with Engine(n_ctx=16_384, parallel=2, n_threads=2) as engine:
+        size = kv_bytes(engine.model.pointer, engine.context.n_ctx)
+        assert size == 16_384 * 30 * 3 * (64 + 64) * 2  # the default model: 30 layers, 3 KV heads of 64
+        assert size - 2 * mmap.PAGESIZE <= engine.context.kv_bytes_released < size
+        answer = engine.submit([{"role": "user", "content": "Name three colours."}], max_tokens=8,
+                               temperature=0).result()
+        assert answer["usage"]["completion_tokens"] == 8
