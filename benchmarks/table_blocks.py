@@ -816,6 +816,8 @@ ENGINE_TARGETS = {
                                         "per system-prompt token",
     "burst_cells_per_unique_token": "after them, KV cells in use per unique token held",
     "burst_peak_rss_vs_llama_server": "peak RSS in that run, ours / llama-server's (same pool, same --cache-ram)",
+    "burst_serving_peak_rss_vs_llama_server": "the same while serving (from the first request on, without what "
+                                              "starting took)",
     "step_vs_batched_bench": "the engine's step with 8 sequences decoding / llama-batched-bench's, the faster of its "
                              "two KV layouts",
 }
@@ -845,6 +847,11 @@ def serve_engine(results: Results) -> str:
         ["time to first token p50", *(cell(burst, n, "ttft_p50", num, " s") for n in burst_names)],
         ["peak RSS", *(cell(burst, n, "peak_rss", lambda v: num(v / 1e6)) + " MB" for n in burst_names)],
     ]
+    for scenario, scenario_names, scenario_rows in ((decode, names, rows), (burst, burst_names, burst_rows)):
+        if any("serving_peak_rss" in scenario.get(n, {}) for n in scenario_names):
+            scenario_rows.append(["peak RSS while serving", *(cell(scenario, n, "serving_peak_rss",
+                                                                    lambda v: num(v / 1e6)) + " MB"
+                                                               for n in scenario_names)])
     flash = "flash attention " + ("on" if settings.get("flash_attn", True) else "off")
     if any(n.endswith("+fa") for n in names):
         flash += " (the columns marked flash attention on: on)"
