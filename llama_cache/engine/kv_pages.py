@@ -14,8 +14,8 @@ exactly the KV cache's size (:func:`kv_bytes`), every page of it zero. Nothing e
 allocator, a KV on a GPU, a model whose cache this does not size (sliding-window or recurrent layers,
 per-layer head counts) find no block and change nothing. The block is released in the thread that made
 the context, before the context is used or handed to anyone: nothing else can write into it meanwhile.
-The new mappings are read in copies made holding the GIL (no Python thread can unmap them meanwhile): a
-KV buffer of 720 MiB takes about 0.3 s more to make.
+The new mappings are read in copies of 1 MiB made holding the GIL (no Python thread can unmap them
+meanwhile): a KV buffer of 720 MiB takes about 0.3 s more to make.
 
 Linux only (``/proc/self/maps``, ``madvise``); elsewhere :func:`release_zeroed_kv` returns 0.
 Stateless; thread-safe as long as the context being made is not used by another thread yet.
@@ -48,7 +48,7 @@ _LEAD = 48
 _USER_AT = 64
 _IS_MMAPPED = 2
 _F16_BYTES = 2
-_SCAN_PIECE = 16 << 20  # bytes read at once while looking for the block
+_SCAN_PIECE = 1 << 20  # bytes read at once: small, for the copies add to the moment the whole pool is resident
 _MAX_SCAN = 1 << 36  # a mapping larger than this (a reservation, not a buffer) is not read
 
 
