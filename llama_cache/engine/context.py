@@ -124,7 +124,7 @@ class BatchContext:
         self.memory: Any = llama_cpp.llama_get_memory(pointer)
         self.n_ctx = int(llama_cpp.llama_n_ctx(pointer))
         """Cells in the pool (llama.cpp may round ``settings.n_ctx`` up)."""
-        self.kv_bytes_released = release_zeroed_kv(mapped, model.pointer, self.n_ctx)
+        self.kv_bytes_released = release_zeroed_kv(mapped, model, self.n_ctx)
         """Bytes of the KV buffer handed back to the system until their cells are first used
         (:mod:`.kv_pages`; 0 where that could not be done)."""
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(pointer))

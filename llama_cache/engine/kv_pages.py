@@ -33,6 +33,8 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from llama_cache.engine.model import Model
+
 __all__ = ["anonymous_ranges", "kv_bytes", "release_zeroed_block", "release_zeroed_kv"]
 
 logger = logging.getLogger(__name__)
@@ -68,19 +70,23 @@ def anonymous_ranges() -> list[Range]:
     return ranges
 
 
-def kv_bytes(model: llama_cpp.llama_model_p, n_cells: int) -> int | None:
+def kv_bytes(model: Model, n_cells: int) -> int | None:
     """The size of llama.cpp's buffer of ``n_cells`` KV cells of ``model`` in half precision (its
     default), for a model whose every layer holds K and V of ``n_head_kv`` heads; None for a model with
     recurrent layers (other buffers)."""
-    if llama_cpp.llama_model_is_recurrent(model) or llama_cpp.llama_model_is_hybrid(model):
+    pointer = model.pointer
+    if llama_cpp.llama_model_is_recurrent(pointer) or llama_cpp.llama_model_is_hybrid(pointer):
         return None
-    n_head = int(llama_cpp.llama_model_n_head(model))
-    n_head_kv = int(llama_cpp.llama_model_n_head_kv(model))
+    n_head = int(llama_cpp.llama_model_n_head(pointer))
+    n_head_kv = int(llama_cpp.llama_model_n_head_kv(pointer))
     if n_head <= 0 or n_head_kv <= 0:
         return None
-    default = int(llama_cpp.llama_model_n_embd(model)) // n_head
-    k_length, v_length = (_metadata_int(model, f"attention.{name}_length", default) for name in ("key", "value"))
-    return int(llama_cpp.llama_model_n_layer(model)) * n_cells * n_head_kv * (k_length + v_length) * _F16_BYTES
+    architecture = model.metadata.get("general.architecture", "")
+    lengths = []
+    for name in ("key", "value"):
+        text = model.metadata.get(f"{architecture}.attention.{name}_length", "")
+        lengths.append(int(text) if text.isdigit() else int(llama_cpp.llama_model_n_embd(pointer)) // n_head)
+    return int(llama_cpp.llama_model_n_layer(pointer)) * n_cells * n_head_kv * sum(lengths) * _F16_BYTES
 
 
 def release_zeroed_block(before: Sequence[Range], size: int) -> int:
@@ -110,7 +116,7 @@ def release_zeroed_block(before: Sequence[Range], size: int) -> int:
     return end - first
 
 
-def release_zeroed_kv(before: Sequence[Range], model: llama_cpp.llama_model_p, n_cells: int) -> int:
+def release_zeroed_kv(before: Sequence[Range], model: Model, n_cells: int) -> int:
     """:func:`release_zeroed_block` for the KV buffer of a context of ``n_cells`` cells of ``model``
     just made (``before``: :func:`anonymous_ranges` read before making it). The bytes handed back."""
     size = kv_bytes(model, n_cells)
@@ -121,22 +127,9 @@ def release_zeroed_kv(before: Sequence[Range], model: llama_cpp.llama_model_p, n
     return released
 
 
-def _metadata_int(model: llama_cpp.llama_model_p, key: str, default: int) -> int:
-    """The model's ``<architecture>.<key>`` metadata as an int, or ``default``."""
-    buffer = ctypes.create_string_buffer(256)
-    if llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buffer, len(buffer)) < 0:
-        return default
-    name = f"{buffer.value.decode('utf-8', 'replace')}.{key}".encode()
-    if llama_cpp.llama_model_meta_val_str(model, name, buffer, len(buffer)) < 0:
-        return default
-    try:
-        return int(buffer.value)
-    except ValueError:
-        return default
-
-
 def _new_ranges(before: Sequence[Range], after: Sequence[Range]) -> list[Range]:
-    """The parts of ``after`` that no range of ``before`` covers. O((len(before) + len(after)) log)."""
+    """The parts of ``after`` that no range of ``before`` covers. O(len(before) x len(after)): a process
+    has some hundreds of mappings."""
     old = sorted(before)
     new: list[Range] = []
     for start, end in sorted(after):
