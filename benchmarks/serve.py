@@ -38,9 +38,9 @@ llama-server's ``-c`` is split between its slots, so it gets ``n_ctx * parallel`
 for prompts and for generation (``--threads``, default one per physical core: llama-server's own
 default, which the others are given explicitly, since llama-cpp-python would generate on half the
 logical CPUs), batch and micro-batch (512, llama-cpp-python's default) and flash attention
-(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, off; with it
-off, ``llama-server+fa`` runs llama-server with it on too, its own default, and the targets against
-llama-server take its better side), and no logits kept for
+(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, on; llama-server also runs
+with the other setting, ``llama-server+nofa`` (off) or ``llama-server+fa`` (on), and the targets
+against llama-server take its better side), and no logits kept for
 every token: llama-cpp-python's server defaults to ``logits_all=True`` (its logprobs need it), which
 makes every save into and load from its cache copy an n_tokens x n_vocab scores matrix (up to about
 400 MB at n_ctx 2048 with the default model); ``--logits_all false`` shrinks that matrix to n_batch
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=physical_cores(),
                         help="llama.cpp threads, prompts and generation, for every server (default: physical cores)")
     parser.add_argument("--flash-attn", type=on_off, default=flash_attention_for(None, False),
-                        help="on or off, for every server (default: llama-cache serve's auto here; off adds "
-                        "llama-server with it on)")
+                        help="on or off, for every server (default: llama-cache serve's auto here; llama-server "
+                        "also runs with the other setting)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve.json")
     args = parser.parse_args(argv)
     model = default_model_path()
@@ -267,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"llama-server: skipped: no llama-server binary (set $LLAMA_SERVER or build it into "
               f"{DEFAULT_LLAMA_SERVER}; see this script's docstring)", file=sys.stderr)
         names.remove("llama-server")
-    if not args.flash_attn and "llama-server" in names and "llama-server+fa" not in names:
-        names.insert(names.index("llama-server") + 1, "llama-server+fa")
+    other_flash = "llama-server+nofa" if args.flash_attn else "llama-server+fa"
+    if "llama-server" in names and other_flash not in names:
+        names.insert(names.index("llama-server") + 1, other_flash)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     api_key = secrets.token_urlsafe(24) if args.with_api_key else None
     if api_key and "llama-cache-key" not in names:
@@ -289,9 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     for round_number in range(args.rounds):
         for concurrency in levels:
             for name in rotation(names, round_number):
-                if name == "llama-server+fa":
-                    command = server_command("llama-server", model, replace(settings, flash_attn=True), free_port(),
-                                             llama_server)
+                if name in ("llama-server+fa", "llama-server+nofa"):
+                    command = server_command("llama-server", model, replace(settings, flash_attn=name.endswith("+fa")),
+                                             free_port(), llama_server)
                 else:
                     command = server_command(name, model, settings, free_port(), llama_server, api_key)
                 assert command is not None
@@ -329,6 +330,8 @@ LABELS = {
     "llama-server": "llama.cpp's llama-server, host-memory prompt cache; the shared settings",
     "llama-server+fa": "llama.cpp's llama-server, host-memory prompt cache; the shared settings but flash "
                        "attention on (its default on the CPU)",
+    "llama-server+nofa": "llama.cpp's llama-server, host-memory prompt cache; the shared settings but flash "
+                         "attention off",
     "llama-cpp-python": "llama-cpp-python's server, cache on; the shared settings, logits_all off",
     "llama-cpp-python-defaults": "llama-cpp-python's server, cache on; its defaults but n_ctx (logits_all on, "
                                  "half the logical CPUs generating, flash attention off)",
@@ -358,7 +361,7 @@ def _summary(results: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
 
 # (name, numerator's server, denominator's server, measure, at most or at least, target: one for every
 # concurrency, or by concurrency): each a ratio of the two servers' medians. Ours over llama-server's time
-# (its better side: with flash attention as ours, or on); llama-cpp-python's over ours (a speed-up). The
+# (its better side: with flash attention as ours, or the other way); llama-cpp-python's over ours (a speed-up). The
 # engine issue's (#26): later turns at 4 users p50 and p95 <= 0.8x llama-server's, one user p50 <= 0.9x.
 _TARGETS: tuple[tuple[str, str, str, str, str, float | dict[str, float]], ...] = (
     ("later_vs_llama_server", "llama-cache", "llama-server", "ttft_later_p50", "<=", {"1": 0.9, "4": 0.8}),
@@ -383,7 +386,7 @@ def _targets(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
     ratio of medians, ``not measured`` when either server did not run. ``later_vs_llama_server`` (p50:
     at most 0.9 with one user, 0.8 with 4), ``later_p95_vs_llama_server`` (p95 with 4 users: at most
     0.8) and ``whole_vs_llama_server`` (at most 1.1) are our time over llama-server's, at its better
-    flash-attention side when ``llama-server+fa`` ran;
+    flash-attention side (``llama-server+fa`` or ``llama-server+nofa`` ran beside it);
     ``later_speedup_over_*`` (at least 5) and ``whole_speedup_over_*`` (at least 2) are
     llama-cpp-python's time over ours; ``key_*_vs_no_key`` (at most :data:`KEY_COST_TARGET`) are ours
     with an API key over ours without.
@@ -396,7 +399,8 @@ def _targets(summary: dict[str, Any]) -> dict[str, dict[str, dict[str, Any]]]:
                 continue
             high = summary.get(top, {}).get(concurrency)
             low = summary.get(bottom, {}).get(concurrency)
-            sides = [row for row in (low, summary.get(bottom + "+fa", {}).get(concurrency)) if row and row[key]]
+            sides = [row for row in (low, *(summary.get(bottom + other, {}).get(concurrency)
+                                             for other in ("+fa", "+nofa"))) if row and row[key]]
             if sides:  # an anchor's better side
                 low = min(sides, key=lambda row: row[key])
             ratio = _ratio(high and high[key], low and low[key])

@@ -13,17 +13,17 @@ JSON config (``model.path``, ``n_ctx``, ``n_seq_max``, ``n_batch``, ``n_ubatch``
 Every server gets the default model, ``--threads`` (2), ``--parallel`` sequences (as many as the
 clients), ``--n-ctx`` tokens per sequence (4,096) as one pool (llama-server's ``-c`` is that times the
 slots; ours ``--n-ctx`` the same, the example server's ``n_ctx`` too), the same flash attention
-(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, off; see below), batch 512. The
+(``--flash-attn``, default: what ``llama-cache serve``'s ``auto`` picks, on; see below), batch 512. The
 two caching servers get the same host-memory prompt cache budget (``--cache-ram``: llama-server's in
 MiB, ours in bytes). A fresh server per run; the servers run one after another in an order rotated
 each round (``--rounds``, default 3), and the table shows medians with their spread.
 
-Flash attention: on the CPU a generated token over a long conversation costs about twice as much
-with llama.cpp's flash attention on, and prompts read faster with it on (docs/engine.md, "Flash
-attention"). ``llama-cache serve``'s ``auto`` is off; llama-server's and the example server's are on.
-So that no anchor is measured off its own default, a run with ``--flash-attn off`` also runs
-llama-server and the example server with it on in the decode scenario (the sides ``llama-server+fa``
-and ``example-server+fa``), and the throughput verdicts take each anchor's better side.
+Flash attention: which setting generates faster depends on the CPU (docs/engine.md, "Flash
+attention"); ``llama-cache serve``'s ``auto`` is on, as llama-server's and the example server's. So
+that no anchor is measured at its worse setting only, the decode scenario also runs llama-server and
+the example server with the other setting (the sides ``llama-server+nofa`` and
+``example-server+nofa`` with ``--flash-attn on``, ``llama-server+fa`` and ``example-server+fa`` with
+it off), and the throughput verdicts take each anchor's better side.
 
 Scenarios, each a run per server:
 
@@ -103,16 +103,21 @@ from llama_cache.engine.sequences import LogitBias  # noqa: E402
 from llama_cache.native_log import route_llama_cpp_logs  # noqa: E402
 from llama_cache.server.config import on_off  # noqa: E402
 
-SERVERS = ("llama-cache", "llama-server", "example-server", "llama-server+fa", "example-server+fa")
+SERVERS = ("llama-cache", "llama-server", "example-server", "llama-server+fa", "example-server+fa",
+           "llama-server+nofa", "example-server+nofa")
 LABELS = {
     "llama-cache": "llama-cache serve: the engine, RAM prompt cache",
     "llama-server": "llama.cpp's llama-server (the build vendored in llama-cpp-python 0.3.36), host-memory cache",
     "example-server": "llama-cpp-python's batched example server (examples/server/server.py, 0.3.35)",
     "llama-server+fa": "llama-server with flash attention on (its default on the CPU), decode scenario only",
     "example-server+fa": "the example server with flash attention on, decode scenario only",
+    "llama-server+nofa": "llama-server with flash attention off, decode scenario only",
+    "example-server+nofa": "the example server with flash attention off, decode scenario only",
 }
-FLASH_SIDES = {"llama-server+fa": "llama-server", "example-server+fa": "example-server"}
-"""The anchors' sides with flash attention on, run when ``--flash-attn`` is off: side -> its server."""
+FLASH_SIDES = {"llama-server+fa": ("llama-server", True), "example-server+fa": ("example-server", True),
+               "llama-server+nofa": ("llama-server", False), "example-server+nofa": ("example-server", False)}
+"""The anchors' sides with the other flash-attention setting, run when ``--flash-attn`` is not that
+setting: side -> (its server, flash attention)."""
 # Issue #26's targets.
 THROUGHPUT_VS_LLAMA_SERVER = 1.4
 THROUGHPUT_VS_EXAMPLE = 1.2
@@ -129,11 +134,12 @@ QUESTION_WORDS = ["rivers", "mountains", "harbours", "deserts", "forests", "glac
 
 def command_for(name: str, model: Path, settings: Settings, port: int, llama_server: Path | None,
                 example_server: Path | None, scratch: Path) -> list[str] | None:
-    """The command starting ``name`` (None: not available here); a ``+fa`` side is its server with
-    flash attention on."""
+    """The command starting ``name`` (None: not available here); a ``+fa`` (``+nofa``) side is its
+    server with flash attention on (off)."""
     if name in FLASH_SIDES:
-        on = Settings(settings.n_ctx, settings.parallel, settings.threads, True, settings.n_batch)
-        return command_for(FLASH_SIDES[name], model, on, port, llama_server, example_server, scratch)
+        server, flash = FLASH_SIDES[name]
+        other = Settings(settings.n_ctx, settings.parallel, settings.threads, flash, settings.n_batch)
+        return command_for(server, model, other, port, llama_server, example_server, scratch)
     if name == "example-server":
         if example_server is None:
             return None
@@ -352,18 +358,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-ctx", type=int, default=4096, help="tokens per sequence (the pool is that x clients)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flash-attn", type=on_off, default=flash_attention_for(None, False),
-                        help="on or off, for every server (default: llama-cache serve's auto here; off adds the "
-                        "anchors' sides with it on)")
+                        help="on or off, for every server (default: llama-cache serve's auto here; the anchors "
+                        "also run with the other setting in the decode scenario)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "serve_engine.json")
     args = parser.parse_args(argv)
     model = default_model_path()
     llama_server = find_llama_server()
     batched = llama_server.with_name("llama-batched-bench") if llama_server is not None else None
     example = args.example_server if args.example_server and Path(args.example_server).is_file() else None
-    names = [n for n in args.servers.split(",") if n and not (n in FLASH_SIDES and args.flash_attn)]
-    for name, missing in (("llama-server", llama_server is None), ("example-server", example is None),
-                          ("llama-server+fa", llama_server is None), ("example-server+fa", example is None)):
-        if name in names and missing:
+    names = [n for n in args.servers.split(",")
+             if n and not (n in FLASH_SIDES and FLASH_SIDES[n][1] == args.flash_attn)]
+    found = {"llama-server": llama_server is not None, "example-server": example is not None}
+    for name in list(names):
+        if not found.get(FLASH_SIDES[name][0] if name in FLASH_SIDES else name, True):
             print(f"{name}: skipped: not found (see this script's docstring)", file=sys.stderr)
             names.remove(name)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -485,8 +492,8 @@ def targets(results: dict[str, Any]) -> dict[str, Any]:
         out[name] = {"value": value, "target": bound, "met": met}
 
     def best(server: str) -> float | None:
-        """The anchor's better throughput of its sides (flash attention as ours, and on)."""
-        sides = [med(s, "tokens_per_s") for s in (server, *(f for f, of in FLASH_SIDES.items() if of == server))]
+        """The anchor's better throughput of its sides (flash attention as ours, and the other way)."""
+        sides = [med(s, "tokens_per_s") for s in (server, *(f for f, (of, _) in FLASH_SIDES.items() if of == server))]
         found = [v for v in sides if v is not None]
         return max(found) if found else None
 

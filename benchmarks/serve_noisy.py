@@ -38,7 +38,7 @@ Every server gets the same requests; their status codes are counted per kind and
 refuses one kind is recorded as such, not skipped). Servers: ``llama-cache serve`` and llama.cpp's
 ``llama-server`` (found as ``benchmarks/serve.py`` says; skipped with a message when absent), with the
 settings of ``benchmarks/serve.py`` (same context per request, slots, threads, batch, flash attention:
-by default ``llama-cache serve``'s auto, off).
+by default ``llama-cache serve``'s auto, on).
 The order of the servers rotates from round to round; each round starts every server afresh.
 
 Targets, as ratios of the medians over rounds of each phase's p95 (time to first token and total):

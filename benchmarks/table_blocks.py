@@ -503,6 +503,7 @@ def dedup_chunks(results: Results) -> str:
 
 SERVE_LABELS = {"llama-cache": "llama-cache", "llama-cache-key": "llama-cache with `--api-key`",
                 "llama-server": "llama-server", "llama-server+fa": "llama-server, flash attention on",
+                "llama-server+nofa": "llama-server, flash attention off",
                 "llama-cpp-python": "llama-cpp-python (`cache: true`, equal settings, `logits_all` off)",
                 "llama-cpp-python-defaults": "llama-cpp-python (`cache: true`, its defaults)"}
 SERVE_TARGETS = {
@@ -806,7 +807,9 @@ def responses_agent(results: Results) -> str:
 # Serving: the engine against llama-server and the batched example server (benchmarks/serve_engine.py) -
 
 ENGINE_SERVERS = {"llama-cache": "llama-cache", "llama-server": "llama-server", "example-server": "example server",
-                  "llama-server+fa": "llama-server, flash attention on", "example-server+fa": "example server, flash attention on"}
+                  "llama-server+fa": "llama-server, flash attention on", "example-server+fa": "example server, flash attention on",
+                  "llama-server+nofa": "llama-server, flash attention off",
+                  "example-server+nofa": "example server, flash attention off"}
 ENGINE_TARGETS = {
     "throughput_vs_llama_server": "generated tokens/s, ours / llama-server's at its better flash-attention setting "
                                   "(8 clients x 2 turns x 256 tokens)",
@@ -855,6 +858,8 @@ def serve_engine(results: Results) -> str:
     flash = "flash attention " + ("on" if settings.get("flash_attn", True) else "off")
     if any(n.endswith("+fa") for n in names):
         flash += " (the columns marked flash attention on: on)"
+    if any(n.endswith("+nofa") for n in names):
+        flash += " (the columns marked flash attention off: off)"
     parts = [
         f"{settings['clients']} clients x {settings['turns']} turns x {settings['max_tokens']} tokens, streamed at "
         f"temperature 0 on one ~{num(settings['system_tokens'])}-token system prompt; every server `--parallel "

@@ -92,6 +92,11 @@ def test_targets_are_ratios_of_medians_with_spreads_and_verdicts() -> None:
     results["servers"]["llama-server+fa"] = [_run("llama-server+fa", 1, 0.125, whole) for _, whole in theirs]
     later = serve._targets(serve._summary(results))["1"]["later_vs_llama_server"]
     assert (later["ratio"], later["verdict"]) == (0.12 / 0.125, "not met")
+    # With flash attention off too (llama-server+nofa, when ours is on), likewise its better side.
+    del results["servers"]["llama-server+fa"]
+    results["servers"]["llama-server+nofa"] = [_run("llama-server+nofa", 1, 0.124, whole) for _, whole in theirs]
+    later = serve._targets(serve._summary(results))["1"]["later_vs_llama_server"]
+    assert (later["ratio"], later["verdict"]) == (0.12 / 0.124, "not met")
 
 
 def test_machine_names_the_checkouts_version_without_package_metadata() -> None:
@@ -158,6 +163,14 @@ def test_the_engine_benchmark_gives_each_server_the_same_pool_and_judges_medians
     assert targets["first_ttft_vs_example_server"]["value"] == 6.0 / 10.0
     assert targets["throughput_vs_llama_server"] == {"value": None, "target": 1.4, "met": None}
     assert targets["step_vs_batched_bench"]["value"] == 0.1 / 0.09 and targets["step_vs_batched_bench"]["met"]
+    # The anchor with the other flash-attention setting: its own command, and its better side counts.
+    other = serve_engine.command_for("example-server+nofa", model, settings, 9003, None, Path("server.py"), tmp_path)
+    assert other is not None and json.loads(Path(other[3]).read_text())["model"]["flash_attn"] is False
+    results["runs"]["decode"]["example-server+nofa"] = [run(33.0, 9.0), run(34.0, 9.0), run(32.0, 9.0)]
+    results["summary"] = serve_engine.summarise(results, {})
+    targets = serve_engine.targets(results)
+    assert targets["throughput_vs_example_server"]["value"] == 30.0 / 33.0
+    assert targets["throughput_vs_example_server"]["met"] is False
 
 
 @pytest.mark.skipif(not redis_available(), reason="redis-server is not installed")

@@ -107,12 +107,12 @@ def test_deterministic_mode_needs_a_transformer_model(tiny_model_paths: dict[str
 def test_deterministic_mode_needs_flash_attention() -> None:
     import llama_cpp
 
-    with Engine(n_ctx=512, parallel=1) as engine:  # auto: off (generated tokens decode faster)
-        assert engine.flash_attn is False
-        assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
-    with Engine(n_ctx=512, parallel=1, flash_attn=True) as engine:
+    with Engine(n_ctx=512, parallel=1) as engine:  # auto: on (rows skip other sequences' cells)
         assert engine.flash_attn is True
         assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
+    with Engine(n_ctx=512, parallel=1, flash_attn=False) as engine:
+        assert engine.flash_attn is False
+        assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
     with Engine(n_ctx=512, parallel=1, deterministic=True) as engine:
         assert engine.flash_attn is True
         assert engine.context.params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED

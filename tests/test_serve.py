@@ -636,9 +636,10 @@ def test_threads_flash_attention_and_body_limit_settings() -> None:
     options = default.context_options()
     # llama-server's defaults: a thread per physical core for prompts and generation alike, flash attention.
     assert (options["n_threads"], options["n_threads_batch"]) == (physical_cores(), physical_cores())
-    # Flash attention auto: off (generated tokens decode faster), on for deterministic mode.
+    # Flash attention auto: on (a request's rows skip the other conversations' cells in the pool).
     assert default.flash_attn is None and default.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 8 << 20
-    assert options["flash_attn"] is False
+    assert options["flash_attn"] is True
+    assert config_from_args(parser.parse_args(["serve", "--flash-attn", "off"]), {}).context_options()["flash_attn"] is False
     assert config_from_args(parser.parse_args(["serve", "--deterministic"]), {}).context_options()["flash_attn"] is True
     with pytest.raises(ValueError, match="deterministic mode needs flash attention"):
         config_from_args(parser.parse_args(["serve", "--deterministic", "--flash-attn", "off"]), {})
@@ -673,7 +674,7 @@ def test_the_context_runs_with_the_configured_threads_flash_attention_and_a_unif
     assert params.n_batch == params.n_ubatch == min(512, params.n_seq_max + 128)
     assert server.service.engine.flash_attn is True  # as the fixture asks
     assert params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-    assert ServerConfig(n_ctx=N_CTX).context_options()["flash_attn"] is False  # auto: off
+    assert ServerConfig(n_ctx=N_CTX).context_options()["flash_attn"] is True  # auto: on
     assert params.kv_unified and params.n_ctx == N_CTX and params.n_seq_max >= 2
 
 

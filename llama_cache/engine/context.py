@@ -46,13 +46,14 @@ class DecodeFailed(RuntimeError):
 
 def flash_attention_for(requested: bool | None, deterministic: bool) -> bool:
     """Whether the engine's context runs llama.cpp's flash attention: ``requested``, or for None
-    (auto) off, unless ``deterministic``: on the CPU a generated token attending over a long
-    conversation costs about twice as much with it on (measured: 25-33 generated tokens/s on against
-    49-57 off at 1,024 cells, the default model), and a served workload is mostly generated tokens;
-    prompts read faster with it on (docs/engine.md, "Flash attention").
+    (auto) on. In one pool every query row meets every sequence's cells; with flash attention it
+    skips the cells of other sequences (their mask is -inf), without it it multiplies through them,
+    so a conversation's tokens cost what the whole pool holds, idle conversations included (measured:
+    a later turn's first token 0.14 s on against 0.25 s off with five conversations idle beside it;
+    docs/engine.md, "Flash attention", has the numbers and the CPUs where off generates faster).
 
     Deterministic mode rests on the flash-attention path that visits a sequence's cells in order and
-    skips the others exactly (see :mod:`.scheduler`), so it needs it on, and auto gives it on.
+    skips the others exactly (see :mod:`.scheduler`), so it refuses it off.
 
     Raises:
         ValueError: deterministic mode with flash attention off, or ``requested`` is not a bool or None.
@@ -60,7 +61,7 @@ def flash_attention_for(requested: bool | None, deterministic: bool) -> bool:
     if requested is not None and not isinstance(requested, bool):
         raise ValueError(f"flash_attn must be True, False or None (auto), got {requested!r}")
     if requested is None:
-        return deterministic
+        return True
     if deterministic and not requested:
         raise ValueError("deterministic mode needs flash attention (its sums depend on the sequence alone there)")
     return requested

@@ -75,9 +75,10 @@ class Engine:
             can fill, ``n_seq_max + prompt_rows_per_step`` rows (a generated token per sequence and
             the prompt rows), since llama.cpp sizes its compute buffer for a full one (with the
             default model, a 512-row batch's logits alone take 96 MiB).
-        flash_attn: llama.cpp's flash attention; None (auto): off, or on for deterministic mode,
-            which needs it (docs/engine.md, "Flash attention"). Off, a sequence's logits depend
-            slightly on where its cells lie and what is decoded beside it.
+        flash_attn: llama.cpp's flash attention; None (auto): on, so that a sequence's rows skip
+            the other sequences' cells in the pool (docs/engine.md, "Flash attention"). Off, every
+            row multiplies through every cell in use, and a sequence's logits depend slightly on where
+            its cells lie and what is decoded beside it; deterministic mode refuses it.
         cache: the cache tiers (None: none; idle sequences are the only reuse).
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).

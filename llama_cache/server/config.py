@@ -130,9 +130,9 @@ class ServerConfig:
         redis_write_through: with a Redis tier, a completion's state is stored in every tier before the
             stream's last chunk goes out, so the next turn finds it on any instance (off: written behind,
             the last chunk at once).
-        flash_attn: llama.cpp's flash attention; None (auto): off, unless ``deterministic``, which
-            needs it (on the CPU, generated tokens over long conversations decode about twice as
-            fast with it off; prompts read faster with it on: docs/engine.md, "Flash attention").
+        flash_attn: llama.cpp's flash attention; None (auto): on (a sequence's rows skip the other
+            conversations' cells in the shared pool; off is refused with ``deterministic``:
+            docs/engine.md, "Flash attention").
         max_body_bytes: the largest request body accepted; a larger one is answered 413.
         max_messages: the most messages one chat request may hold; more are answered 400
             (``limit_exceeded``). The other limits on a request are in :mod:`.limits`.
@@ -302,8 +302,9 @@ _OPTIONS: dict[str, tuple[str, Any, str]] = {
                   "llama.cpp threads, for prompts and generation (default: one per physical core, "
                   "as llama-server)"),
     "flash_attn": ("LLAMA_CACHE_FLASH_ATTN", auto_on_off,
-                   "llama.cpp's flash attention: auto, on or off (default auto: off, faster generation on "
-                   "the CPU; on with --deterministic, which needs it)"),
+                   "llama.cpp's flash attention: auto, on or off (default auto: on, as llama-server's: each "
+                   "request's rows skip the other conversations' cells in the shared pool; "
+                   "--deterministic needs it on)"),
     "redis_write_through": ("LLAMA_CACHE_REDIS_WRITE_THROUGH", on_off,
                             "with --redis: store a completion's state in Redis before its last chunk, on or off "
                             "(default on: the next turn finds it on any instance)"),
