@@ -1,5 +1,5 @@
 """The KV pool's zeroed pages handed back (llama_cache/engine/kv_pages.py): on blocks glibc really maps,
-and on the engine's context with the default model."""
+while they are being zeroed and after, and on the engine's context with the default model."""
 
 from __future__ import annotations
 
@@ -8,14 +8,16 @@ import mmap
 import platform
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 import pytest
 
 from llama_cache import Engine
 from llama_cache.engine import context as context_module
-from llama_cache.engine.kv_pages import anonymous_ranges, kv_bytes, release_zeroed_block
+from llama_cache.engine.kv_pages import KvPageWatch, anonymous_ranges, kv_bytes, pool_cells, release_zeroed_block
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                                 reason="Linux's /proc and madvise, glibc's block layout")
@@ -41,10 +43,10 @@ def _heap_bytes() -> int:
     return 0
 
 
-@pytest.fixture
-def aligned_block() -> Iterator[tuple[list[tuple[int, int]], int]]:
+@contextmanager
+def _glibc_block() -> Iterator[tuple[list[tuple[int, int]], int]]:
     """A block as ggml allocates a KV buffer (``posix_memalign(64, SIZE)``), mapped by glibc of its own,
-    zeroed as llama.cpp zeroes it, with the mappings read before it was made."""
+    not written yet, with the mappings read just before it was made."""
     libc = ctypes.CDLL(None)
     held: list[ctypes.c_void_p] = []
     try:
@@ -60,11 +62,22 @@ def aligned_block() -> Iterator[tuple[list[tuple[int, int]], int]]:
             if ctypes.c_uint64.from_address(address - 8).value & 2:
                 break
         assert ctypes.c_uint64.from_address(address - 8).value & 2, "glibc mapped no block of its own"
-        ctypes.memset(address, 0, SIZE)
         yield before, address
     finally:
         for pointer in held:
             libc.free(pointer)
+
+
+@pytest.fixture
+def aligned_block() -> Iterator[tuple[list[tuple[int, int]], int]]:
+    """A :func:`_glibc_block` zeroed as llama.cpp zeroes it."""
+    with _glibc_block() as (before, address):
+        ctypes.memset(address, 0, SIZE)
+        yield before, address
+
+
+def _view(address: int) -> npt.NDArray[np.uint8]:
+    return np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), shape=(SIZE,))
 
 
 def test_a_zeroed_block_is_handed_back_and_still_reads_and_writes(aligned_block: tuple[list, int]) -> None:
@@ -73,7 +86,7 @@ def test_a_zeroed_block_is_handed_back_and_still_reads_and_writes(aligned_block:
     released = release_zeroed_block(before, SIZE)
     assert SIZE - 2 * mmap.PAGESIZE <= released < SIZE
     assert _resident_pages(address, SIZE) <= 2  # the pages holding the block's ends, shared with its header
-    view = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), shape=(SIZE,))
+    view = _view(address)
     assert not view.any()  # zeros still
     view[SIZE // 2] = 7
     view[-1] = 9
@@ -82,7 +95,7 @@ def test_a_zeroed_block_is_handed_back_and_still_reads_and_writes(aligned_block:
 
 def test_a_block_holding_data_is_left_alone(aligned_block: tuple[list, int]) -> None:
     before, address = aligned_block
-    view = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), shape=(SIZE,))
+    view = _view(address)
     view[SIZE // 3] = 1
     assert release_zeroed_block(before, SIZE) == 0
     assert view[SIZE // 3] == 1 and _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
@@ -109,6 +122,61 @@ def test_a_plain_malloc_block_is_not_taken_for_one(aligned_block: tuple[list, in
         libc.free(ctypes.c_void_p(address))
 
 
+def test_pages_zeroed_so_far_are_handed_back_while_the_block_is_made() -> None:
+    watch = KvPageWatch(SIZE)
+    with _glibc_block() as (_, address):
+        try:
+            half = SIZE // 2
+            ctypes.memset(address, 0, half)  # the zeroing half done
+            released = watch.poll()
+            assert watch.block == address - 64
+            front = 64 * mmap.PAGESIZE  # the last pages zeroed are left to the zeroing
+            assert half - front - 2 * mmap.PAGESIZE <= released <= half - front
+            assert _resident_pages(address, half) <= 64 + 1
+            ctypes.memset(address + half, 0x5A, SIZE - half)  # then something else writes: never handed back
+            assert watch.poll() == 0
+            view = _view(address)
+            assert not view[:half].any() and bool((view[half:] == 0x5A).all())
+            assert _resident_pages(address + half, SIZE - half) >= (SIZE - half) // mmap.PAGESIZE - 1
+            assert watch.finish(SIZE) == 0  # not zero throughout: the rest is kept
+            assert watch.released_while_made == released
+        finally:
+            watch.stop()
+
+
+def test_a_block_zeroed_while_watched_is_handed_back_whole_and_reads_zeros() -> None:
+    with KvPageWatch(SIZE) as watch, _glibc_block() as (_, address):
+        for _ in range(3):  # zeroed as llama.cpp zeroes its buffer, outside the GIL, while the thread looks
+            ctypes.memset(address, 0, SIZE)
+        watch.stop()
+        released = watch.finish(SIZE)
+        assert SIZE - 2 * mmap.PAGESIZE <= released < SIZE
+        assert _resident_pages(address, SIZE) <= 2
+        view = _view(address)
+        assert not view.any()
+        view[123] = 4
+        assert int(view.sum()) == 4
+
+
+def test_a_watch_without_a_size_looks_for_nothing() -> None:
+    with KvPageWatch(None) as watch, _glibc_block() as (_, address):
+        ctypes.memset(address, 0, SIZE)
+        assert watch.poll() == 0 and watch.block is None
+        assert watch.finish(None) == 0
+        assert _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
+
+
+def test_another_size_is_not_taken_for_the_block() -> None:
+    watch = KvPageWatch(SIZE - mmap.PAGESIZE)
+    with _glibc_block() as (_, address):
+        try:
+            ctypes.memset(address, 0, SIZE)
+            assert watch.poll() == 0 and watch.block is None
+            assert _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
+        finally:
+            watch.stop()
+
+
 def _anonymous_rss() -> int:
     return int(next(line.split()[1] for line in Path("/proc/self/status").read_text().splitlines()
                     if line.startswith("RssAnon:"))) * 1024
@@ -131,8 +199,16 @@ def test_the_engine_holds_only_the_kv_pages_its_cells_use_and_answers_as_before(
         released = _answer(engine)
         assert _anonymous_rss() - before < size // 2  # the model, buffers and touched cells: not the pool's 360 MiB
     with monkeypatch.context() as patched:  # the same engine with every page of its pool kept
-        patched.setattr(context_module, "release_zeroed_kv", lambda *_: 0)
+        patched.setattr(context_module, "kv_bytes", lambda *_: None)
         with Engine(n_ctx=16_384, parallel=2, n_threads=2) as engine:
             assert engine.context.kv_bytes_released == 0
             kept = _answer(engine)
     assert released == kept and len(kept) > 20
+
+
+@pytest.mark.model
+@pytest.mark.parametrize(("n_ctx", "parallel", "deterministic"), [(1000, 2, False), (3000, 3, True), (4096, 1, True), (5000, 4, False)])
+def test_the_pool_size_watched_for_is_the_one_llama_cpp_makes(n_ctx: int, parallel: int, deterministic: bool) -> None:
+    with Engine(n_ctx=n_ctx, parallel=parallel, n_threads=1, deterministic=deterministic) as engine:
+        settings = engine.context.settings
+        assert engine.context.n_ctx == pool_cells(settings.n_ctx, settings.n_seq_max, settings.kv_unified)

@@ -29,7 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from llama_cache.checkpoints import notify_seq_changed, notify_seq_removed
-from llama_cache.engine.kv_pages import anonymous_ranges, release_zeroed_kv
+from llama_cache.engine.kv_pages import KvPageWatch, kv_bytes, pool_cells
 from llama_cache.engine.model import Model
 from llama_cache.state.kv_layout import prefaulted
 
@@ -117,15 +117,16 @@ class BatchContext:
         params.no_perf = True
         self.params = params
         """The ``llama_context_params`` used (what a state's fingerprint records)."""
-        mapped = anonymous_ranges()
-        pointer = llama_cpp.llama_init_from_model(model.pointer, params)
+        pool = pool_cells(settings.n_ctx, settings.n_seq_max, settings.kv_unified)
+        with KvPageWatch(kv_bytes(model, pool)) as pages:
+            pointer = llama_cpp.llama_init_from_model(model.pointer, params)
         if not pointer:
             raise ValueError(f"llama.cpp could not make a context of {settings.n_ctx} cells")
         self.pointer: Any = pointer
         self.memory: Any = llama_cpp.llama_get_memory(pointer)
         self.n_ctx = int(llama_cpp.llama_n_ctx(pointer))
         """Cells in the pool (llama.cpp may round ``settings.n_ctx`` up)."""
-        self.kv_bytes_released = release_zeroed_kv(mapped, model, self.n_ctx)
+        self.kv_bytes_released = pages.finish(kv_bytes(model, self.n_ctx))
         """Bytes of the KV buffer handed back to the system until their cells are first used
         (:mod:`.kv_pages`; 0 where that could not be done)."""
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(pointer))

@@ -1,24 +1,36 @@
 """The KV pool's memory taken as its cells are used, not all at once when the context is made.
 
-llama.cpp zeroes a context's KV buffer when it makes it (``ggml_backend_buffer_clear``), which puts
-every page of the pool in memory: a 32,768-cell pool of the default model holds 720 MiB of zeros before
+llama.cpp zeroes a context's KV buffer when it makes it (``ggml_backend_buffer_clear``), which would put
+every page of the pool in memory: a 32,768-cell pool of the default model is 720 MiB of zeros before
 its first request. A page of zeros handed back with ``madvise(MADV_DONTNEED)`` reads as zeros again (the
 kernel maps a zero page at the next touch), so what the buffer holds is unchanged, and the pool's pages
 come back one by one as its cells are first written. The process's resident memory then follows the
 cells in use; an operator still plans for the whole pool, which it reaches as the cells fill.
+
+:class:`KvPageWatch` does it in two parts around ``llama_init_from_model``:
+
+- **While the context is made**, a thread looks every millisecond (``mincore``) at the pages llama.cpp
+  has zeroed so far and hands them back, a little behind the zeroing. The whole pool is never resident
+  at once: its start's peak is the model and the other buffers, not the pool. This is safe because the
+  zeroing is the only writer of the buffer until the context is returned: whether a page is handed back
+  before or after ``memset`` writes its zeros, it reads as zeros. Each range is also read (through
+  ``/proc/self/mem``, which fails where memory is not mapped rather than faulting) and handed back only
+  if it is zero, and only while the block's glibc header is still in place, 4 MiB at a time.
+- **Once it is made**, :func:`release_zeroed_block` hands back the rest: the one block of the KV's size
+  made meanwhile, checked zero throughout, in the thread that made the context, before anyone uses it.
 
 Which memory is the KV buffer is not in llama.cpp's API, so it is recognised: a block allocated while
 the context was made (in address space that was not mapped before), laid out as glibc's
 ``posix_memalign(64, size)`` lays out a block it maps of its own (ggml's ``ggml_aligned_malloc``), of
 exactly the KV cache's size (:func:`kv_bytes`), every page of it zero. Nothing else is touched: another
 allocator, a KV on a GPU, a model whose cache this does not size (sliding-window or recurrent layers,
-per-layer head counts) find no block and change nothing. The block is released in the thread that made
-the context, before the context is used or handed to anyone: nothing else can write into it meanwhile.
-The new mappings are read in copies of 1 MiB made holding the GIL (no Python thread can unmap them
-meanwhile): a KV buffer of 720 MiB takes about 0.3 s more to make.
+per-layer head counts) find no block and change nothing. What the thread cannot rule out: if llama.cpp
+fails to make the context, it frees the buffer, and another thread could map memory of exactly that
+layout at that address and write it in the microseconds between a range's check and its ``madvise``.
 
-Linux only (``/proc/self/maps``, ``madvise``); elsewhere :func:`release_zeroed_kv` returns 0.
-Stateless; thread-safe as long as the context being made is not used by another thread yet.
+Linux only (``/proc/self/maps``, ``/proc/self/mem``, ``mincore``, ``madvise``); elsewhere nothing is
+handed back. Thread-safety: one :class:`KvPageWatch` per context being made, driven by the thread that
+makes it; the context must not be used by another thread before :meth:`KvPageWatch.finish` returns.
 """
 
 from __future__ import annotations
@@ -26,8 +38,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
+from types import TracebackType
 
 import llama_cpp
 import numpy as np
@@ -35,7 +50,7 @@ import numpy.typing as npt
 
 from llama_cache.engine.model import Model
 
-__all__ = ["anonymous_ranges", "kv_bytes", "release_zeroed_block", "release_zeroed_kv"]
+__all__ = ["KvPageWatch", "anonymous_ranges", "kv_bytes", "pool_cells", "release_zeroed_block"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +67,11 @@ _IS_MMAPPED = 2
 _F16_BYTES = 2
 _SCAN_PIECE = 1 << 20  # bytes read at once: small, for the copies add to the moment the whole pool is resident
 _MAX_SCAN = 1 << 36  # a mapping larger than this (a reservation, not a buffer) is not read
+_MEMORY = "/proc/self/mem"
+_POLL_SECONDS = 0.001
+_WRITE_FRONT = 64  # the last pages zeroed so far, left to the zeroing (handing them back makes it fault again)
+_CHECK_PIECE = 4 << 20  # bytes checked, then handed back, at once while the context is made
+_MAX_CANDIDATES = 4096  # pages read as possible block headers in one look
 
 
 def anonymous_ranges() -> list[Range]:
@@ -116,15 +136,174 @@ def release_zeroed_block(before: Sequence[Range], size: int) -> int:
     return end - first
 
 
-def release_zeroed_kv(before: Sequence[Range], model: Model, n_cells: int) -> int:
-    """:func:`release_zeroed_block` for the KV buffer of a context of ``n_cells`` cells of ``model``
-    just made (``before``: :func:`anonymous_ranges` read before making it). The bytes handed back."""
-    size = kv_bytes(model, n_cells)
-    if size is None or not before or not hasattr(mmap, "MADV_DONTNEED"):
-        return 0
-    released = release_zeroed_block(before, size)
-    logger.debug("kv pages: %d of the KV buffer's %d bytes handed back until their cells are used", released, size)
-    return released
+def pool_cells(n_ctx: int, n_seq_max: int, unified: bool) -> int:
+    """The cells llama.cpp gives a context asked for ``n_ctx`` cells (``llama_context``'s rule in
+    llama.cpp as vendored by llama-cpp-python 0.3.36: a multiple of 256; without one unified pool, a
+    stream of a multiple of 256 cells per sequence)."""
+    n_ctx = -(-n_ctx // 256) * 256
+    if unified or n_seq_max < 1:
+        return n_ctx
+    return -(-(n_ctx // n_seq_max) // 256) * 256 * n_seq_max
+
+
+class KvPageWatch:
+    """Hands back the pages of the KV buffer llama.cpp zeroes while it makes a context, as they are
+    zeroed, and the rest once it is made (see the module)::
+
+        with KvPageWatch(kv_bytes(model, pool_cells(n_ctx, n_seq_max, unified))) as watch:
+            pointer = llama_cpp.llama_init_from_model(model.pointer, params)
+        released = watch.finish(kv_bytes(model, llama_cpp.llama_n_ctx(pointer))) if pointer else 0
+
+    Entering reads the process's mappings and starts a thread that calls :meth:`poll` every millisecond
+    until the block is exited; no thread is started where nothing could be handed back (another OS, a
+    model :func:`kv_bytes` does not size: ``size`` None). Ownership: the thread that makes the context
+    owns the watch.
+    """
+
+    def __init__(self, size: int | None) -> None:
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            size = None
+        self.size = size if size is not None and size >= _PAGE else None
+        """The bytes of the KV buffer looked for while the context is made (None: nothing is)."""
+        self.before: list[Range] = anonymous_ranges() if self.size is not None else []
+        """The anonymous mappings before the context was made."""
+        self.block: int | None = None
+        """Where the KV block starts, once :meth:`poll` has found it."""
+        self.released_while_made = 0
+        """Bytes handed back by :meth:`poll` (ranges handed back twice count twice)."""
+        self._memory: int | None = None
+        self._buffer = np.zeros(_CHECK_PIECE // 8, dtype=np.uint64)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> KvPageWatch:
+        if self.size is not None and self.before and self._open():
+            self._thread = threading.Thread(target=self._follow, name="llama-cache-kv-pages", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop the thread (waiting for its look in progress) and close what it read through. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._memory is not None:
+            os.close(self._memory)
+            self._memory = None
+
+    def poll(self) -> int:
+        """One look: find the block if it is not found yet, then hand back the ranges of it that are in
+        memory and zero, but for the last :data:`_WRITE_FRONT` pages. Returns the bytes handed back.
+        Never raises for what it reads; O(the new mappings' pages / 4,096) for ``mincore`` plus O(the
+        bytes in memory) read."""
+        if self.size is None or not self._open():
+            return 0
+        if self.block is None:
+            self.block = self._find_block(self.size)
+            if self.block is None:
+                return 0
+        first = (self.block + _USER_AT + _PAGE - 1) // _PAGE * _PAGE
+        end = (self.block + _USER_AT + self.size) // _PAGE * _PAGE
+        in_memory = _resident(first, end)
+        if in_memory is None:
+            return 0
+        pages = np.flatnonzero(in_memory)[:-_WRITE_FRONT]
+        if not len(pages):
+            return 0
+        breaks = np.flatnonzero(np.diff(pages) != 1)
+        starts = np.concatenate((pages[:1], pages[breaks + 1]))
+        ends = np.concatenate((pages[breaks], pages[-1:])) + 1
+        released = 0
+        for low, high in zip(starts.tolist(), ends.tolist()):
+            for at in range(first + low * _PAGE, first + high * _PAGE, _CHECK_PIECE):
+                length = min(_CHECK_PIECE, first + high * _PAGE - at)
+                if not (self._is_block(self.block, self.size) and self._zero(at, length)):
+                    self.released_while_made += released
+                    return released
+                if _madvise(at, length, mmap.MADV_DONTNEED) != 0:
+                    self.released_while_made += released
+                    return released
+                released += length
+        self.released_while_made += released
+        return released
+
+    def finish(self, size: int | None) -> int:
+        """Once the context is made, with a KV buffer of ``size`` bytes (:func:`kv_bytes` of its cells;
+        None: not sized): stop the watch and hand back the rest of the buffer with
+        :func:`release_zeroed_block`. Returns the buffer's bytes handed back, now or while it was made
+        (0: no block found, or not zero throughout)."""
+        self.stop()
+        if size is None or not self.before or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        released = release_zeroed_block(self.before, size)
+        logger.debug("kv pages: %d of the KV buffer's %d bytes handed back until their cells are used "
+                     "(%d while the context was made)", released, size, self.released_while_made)
+        return released
+
+    def _follow(self) -> None:
+        while not self._stop.wait(_POLL_SECONDS):
+            try:
+                self.poll()
+            except (OSError, ValueError) as error:  # a mapping gone or changed under a look: stop looking
+                logger.debug("kv pages: stopped following the KV buffer (%s)", error)
+                return
+
+    def _open(self) -> bool:
+        if self._memory is None and not self._stop.is_set():
+            try:
+                self._memory = os.open(_MEMORY, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return False
+        return self._memory is not None
+
+    def _find_block(self, size: int) -> int | None:
+        """The start of a page in the new mappings that begins a run of pages in memory and holds the
+        header of a glibc-mapped block of ``size`` bytes (glibc writes the header; llama.cpp then zeroes
+        the block from its start up)."""
+        for start, end in _new_ranges(self.before, anonymous_ranges()):
+            if end - start < size + _USER_AT or end - start > _MAX_SCAN:
+                continue
+            in_memory = _resident(start, end)
+            if in_memory is None:
+                continue
+            run_starts = np.flatnonzero(in_memory & ~np.concatenate(([False], in_memory[:-1])))
+            for index in run_starts[:_MAX_CANDIDATES].tolist():
+                at = start + index * _PAGE
+                if at + _USER_AT + size <= end and self._is_block(at, size):
+                    return at
+        return None
+
+    def _is_block(self, at: int, size: int) -> bool:
+        """Whether ``at`` holds the header of a glibc-mapped ``posix_memalign(64, size)`` block."""
+        header = self._read(at, _USER_AT)
+        if header is None:
+            return False
+        words = [int(word) for word in header.view(np.uint64)]
+        shortest, longest = (-(-(size + overhead) // _PAGE) * _PAGE for overhead in (_USER_AT + 8, _USER_AT + 136))
+        length = (words[7] & ~7) + _LEAD
+        return (words[6] == _LEAD and words[7] & 7 == _IS_MMAPPED and words[1] == length | _IS_MMAPPED
+                and shortest <= length <= longest)
+
+    def _zero(self, address: int, length: int) -> bool:
+        piece = self._read(address, length)
+        return piece is not None and not piece.any()
+
+    def _read(self, address: int, length: int) -> npt.NDArray[np.uint8] | None:
+        """``length`` (at most :data:`_CHECK_PIECE`) bytes at ``address`` read through ``/proc/self/mem``
+        into the watch's buffer; None where they are not all mapped."""
+        view = self._buffer.view(np.uint8)[:length]
+        if self._memory is None:
+            return None
+        try:
+            read = os.preadv(self._memory, [memoryview(view)], address)
+        except OSError:
+            return None
+        return view if read == length else None
 
 
 def _new_ranges(before: Sequence[Range], after: Sequence[Range]) -> list[Range]:
@@ -171,6 +350,21 @@ def _copy(address: int, length: int) -> npt.NDArray[np.uint8]:
     """A copy of ``length`` bytes at ``address``, read holding the GIL (``ctypes.string_at``): no Python
     thread can unmap memory meanwhile (a page read for the first time maps the zero page, nothing more)."""
     return np.frombuffer(ctypes.string_at(address, length), dtype=np.uint8)
+
+
+def _resident(start: int, end: int) -> npt.NDArray[np.bool_] | None:
+    """Which pages of ``[start, end)`` (page-aligned) are in memory (``mincore``); None if it fails (a
+    part is not mapped)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except (OSError, TypeError):
+        return None
+    vector = np.zeros((end - start) // _PAGE, dtype=np.uint8)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.mincore.restype = ctypes.c_int
+    if not len(vector) or libc.mincore(start, end - start, vector.ctypes.data) != 0:
+        return None
+    return (vector & 1).astype(bool)
 
 
 def _madvise(address: int, length: int, advice: int) -> int:
