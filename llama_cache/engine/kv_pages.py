@@ -249,8 +249,8 @@ class KvPageWatch:
         while not self._stop.wait(_POLL_SECONDS):
             try:
                 self.poll()
-            except (OSError, ValueError) as error:  # a mapping gone or changed under a look: stop looking
-                logger.debug("kv pages: stopped following the KV buffer (%s)", error)
+            except Exception:  # best effort: what the thread could not do, finish() still does
+                logger.debug("kv pages: stopped following the KV buffer", exc_info=True)
                 return
 
     def _open(self) -> bool:
