@@ -416,6 +416,12 @@ def redis_tier(results: Results) -> str:
                   f"{transfer['chunk_value_bytes'] / 1e3:.0f} KB, a {transfer['state_tokens']:,}-token state):",
                   table(["operation", "`LlamaRedisCache`", "redis-py's own pipeline", "`redis-benchmark`, best"],
                         rows)]
+        if "send_new_keys_mbps" in transfer:
+            parts.append(f"The same values framed in advance and sent as `SET`s to new keys (Redis faults their "
+                         f"pages in; `redis-benchmark` sets one key again and again, allocating nothing): "
+                         f"{num(transfer['send_new_keys_mbps'], 0)} MB/s, "
+                         f"{transfer['new_keys_vs_bench']:.0%} of `redis-benchmark`'s best: the most a client can "
+                         f"store new data at. Our stores reach {transfer['store_vs_new_keys']:.0%} of it.")
     if "memory" in run:
         memory = run["memory"]
         parts.append(f"Redis memory for the dedup workload ({memory['conversations']} conversations x {memory['turns']} "
