@@ -38,6 +38,7 @@ import numpy.typing as npt
 
 from llama_cache.caches.base import BaseLlamaCache
 from llama_cache.checkpoints import HybridCheckpointCache, notify_memory_cleared, notify_seq_changed
+from llama_cache.context_lock import MAKING_CONTEXTS
 from llama_cache.detokenizer import Detokenizer
 from llama_cache.native_log import route_llama_cpp_logs
 from llama_cache.state.fingerprint import model_description, model_fingerprint, namespaced_fingerprint
@@ -88,7 +89,8 @@ class Llama(llama_cpp.Llama):
         if cache is not None and not isinstance(cache, llama_cpp.llama_cache.BaseLlamaCache):
             raise TypeError(f"cache must be a BaseLlamaCache, got {type(cache).__name__}")
         route_llama_cpp_logs()  # llama.cpp's warnings on stderr only when verbose
-        super().__init__(*args, **kwargs)
+        with MAKING_CONTEXTS:  # see llama_cache.context_lock
+            super().__init__(*args, **kwargs)
         self.ctx_checkpoints = max(ctx_checkpoints, 0)
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_on_device = bool(checkpoint_on_device)

@@ -7,6 +7,7 @@ import ctypes
 import mmap
 import platform
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy.typing as npt
 import pytest
 
 from llama_cache import Engine
+from llama_cache.context_lock import MAKING_CONTEXTS
 from llama_cache.engine import context as context_module
 from llama_cache.engine.kv_pages import KvPageWatch, anonymous_ranges, kv_bytes, pool_cells, release_zeroed_block
 
@@ -123,32 +125,31 @@ def test_a_plain_malloc_block_is_not_taken_for_one(aligned_block: tuple[list, in
 
 
 def test_pages_zeroed_so_far_are_handed_back_while_the_block_is_made() -> None:
-    watch = KvPageWatch(SIZE)
-    with _glibc_block() as (_, address):
-        try:
-            half = SIZE // 2
-            ctypes.memset(address, 0, half)  # the zeroing half done
-            released = watch.poll()
-            assert watch.block == address - 64
-            front = 64 * mmap.PAGESIZE  # the last pages zeroed are left to the zeroing
-            assert half - front - 2 * mmap.PAGESIZE <= released <= half - front
-            assert _resident_pages(address, half) <= 64 + 1
-            ctypes.memset(address + half, 0x5A, SIZE - half)  # then something else writes: never handed back
-            assert watch.poll() == 0
-            view = _view(address)
-            assert not view[:half].any() and bool((view[half:] == 0x5A).all())
-            assert _resident_pages(address + half, SIZE - half) >= (SIZE - half) // mmap.PAGESIZE - 1
-            assert watch.finish(SIZE) == 0  # not zero throughout: the rest is kept
-            assert watch.released_while_made == released
-        finally:
-            watch.stop()
+    with KvPageWatch(SIZE, follow=False) as watch, _glibc_block() as (_, address):
+        half = SIZE // 2
+        ctypes.memset(address, 0, half)  # the zeroing half done
+        released = watch.poll()
+        assert watch.block == address - 64
+        front = 512 * mmap.PAGESIZE  # the last pages zeroed are left to the zeroing
+        assert half - front - 2 * mmap.PAGESIZE <= released <= half - front
+        assert _resident_pages(address, half) <= 512 + 1
+        ctypes.memset(address + half, 0x5A, SIZE - half)  # then something else writes: never handed back
+        assert watch.poll() == 0
+        view = _view(address)
+        assert not view[:half].any() and bool((view[half:] == 0x5A).all())
+        assert _resident_pages(address + half, SIZE - half) >= (SIZE - half) // mmap.PAGESIZE - 1
+        assert watch.finish(SIZE) == 0  # not zero throughout: the rest is kept
+        assert bool((view[half:] == 0x5A).all())
+        assert watch.released_while_made == released
 
 
-def test_a_block_zeroed_while_watched_is_handed_back_whole_and_reads_zeros() -> None:
+def test_a_block_zeroed_while_watched_is_handed_back_while_and_after() -> None:
     with KvPageWatch(SIZE) as watch, _glibc_block() as (_, address):
-        for _ in range(3):  # zeroed as llama.cpp zeroes its buffer, outside the GIL, while the thread looks
+        for _ in range(500):  # zeroed as llama.cpp zeroes it, outside the GIL, until the thread has acted
             ctypes.memset(address, 0, SIZE)
-        watch.stop()
+            if watch.released_while_made:
+                break
+        assert watch.released_while_made > 0
         released = watch.finish(SIZE)
         assert SIZE - 2 * mmap.PAGESIZE <= released < SIZE
         assert _resident_pages(address, SIZE) <= 2
@@ -156,6 +157,16 @@ def test_a_block_zeroed_while_watched_is_handed_back_whole_and_reads_zeros() -> 
         assert not view.any()
         view[123] = 4
         assert int(view.sum()) == 4
+
+
+def test_two_blocks_of_the_size_are_both_left_alone_at_the_end() -> None:
+    with KvPageWatch(SIZE, follow=False) as watch, _glibc_block() as (_, first), _glibc_block() as (_, second):
+        ctypes.memset(first, 0, SIZE)
+        ctypes.memset(second, 0, SIZE)
+        watch.poll()
+        assert watch.block in (first - 64, second - 64)
+        assert watch.finish(SIZE) == 0  # which one the context's is cannot be told
+        assert not _view(first).any() and not _view(second).any()
 
 
 def test_a_watch_without_a_size_looks_for_nothing() -> None:
@@ -167,14 +178,23 @@ def test_a_watch_without_a_size_looks_for_nothing() -> None:
 
 
 def test_another_size_is_not_taken_for_the_block() -> None:
-    watch = KvPageWatch(SIZE - mmap.PAGESIZE)
-    with _glibc_block() as (_, address):
-        try:
-            ctypes.memset(address, 0, SIZE)
-            assert watch.poll() == 0 and watch.block is None
-            assert _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
-        finally:
-            watch.stop()
+    with KvPageWatch(SIZE - mmap.PAGESIZE, follow=False) as watch, _glibc_block() as (_, address):
+        ctypes.memset(address, 0, SIZE)
+        assert watch.poll() == 0 and watch.block is None
+        assert watch.finish(SIZE - mmap.PAGESIZE) == 0
+        assert _resident_pages(address, SIZE) >= SIZE // mmap.PAGESIZE - 1
+
+
+def test_one_context_is_made_at_a_time_and_the_lock_is_let_go_on_errors() -> None:
+    with KvPageWatch(SIZE) as watch:
+        assert MAKING_CONTEXTS.locked()
+        watch.finish(SIZE)
+        assert MAKING_CONTEXTS.locked()  # until the block ends
+    assert not MAKING_CONTEXTS.locked()
+    with pytest.raises(RuntimeError), KvPageWatch(SIZE):
+        raise RuntimeError("llama.cpp failed")
+    assert not MAKING_CONTEXTS.locked()
+    assert not [thread for thread in threading.enumerate() if thread.name == "llama-cache-kv-pages"]
 
 
 def _anonymous_rss() -> int:
@@ -212,3 +232,21 @@ def test_the_pool_size_watched_for_is_the_one_llama_cpp_makes(n_ctx: int, parall
     with Engine(n_ctx=n_ctx, parallel=parallel, n_threads=1, deterministic=deterministic) as engine:
         settings = engine.context.settings
         assert engine.context.n_ctx == pool_cells(settings.n_ctx, settings.n_seq_max, settings.kv_unified)
+
+
+@pytest.mark.model
+def test_llama_makes_its_context_one_at_a_time_too() -> None:
+    import llama_cache
+
+    made = threading.Event()
+
+    def make() -> None:
+        llama_cache.Llama(model_path=str(llama_cache.default_model_path()), n_ctx=256, verbose=False).close()
+        made.set()
+
+    with MAKING_CONTEXTS:
+        thread = threading.Thread(target=make)
+        thread.start()
+        assert not made.wait(1.5)  # alone, making it takes a fraction of that
+    thread.join(60)
+    assert made.is_set()

@@ -120,13 +120,15 @@ class BatchContext:
         pool = pool_cells(settings.n_ctx, settings.n_seq_max, settings.kv_unified)
         with KvPageWatch(kv_bytes(model, pool)) as pages:
             pointer = llama_cpp.llama_init_from_model(model.pointer, params)
+            n_ctx = int(llama_cpp.llama_n_ctx(pointer)) if pointer else 0
+            released = pages.finish(kv_bytes(model, n_ctx)) if pointer else 0
         if not pointer:
             raise ValueError(f"llama.cpp could not make a context of {settings.n_ctx} cells")
         self.pointer: Any = pointer
         self.memory: Any = llama_cpp.llama_get_memory(pointer)
-        self.n_ctx = int(llama_cpp.llama_n_ctx(pointer))
+        self.n_ctx = n_ctx
         """Cells in the pool (llama.cpp may round ``settings.n_ctx`` up)."""
-        self.kv_bytes_released = pages.finish(kv_bytes(model, self.n_ctx))
+        self.kv_bytes_released = released
         """Bytes of the KV buffer handed back to the system until their cells are first used
         (:mod:`.kv_pages`; 0 where that could not be done)."""
         self.n_ctx_seq = int(llama_cpp.llama_n_ctx_seq(pointer))

@@ -10,23 +10,28 @@ cells in use; an operator still plans for the whole pool, which it reaches as th
 :class:`KvPageWatch` does it in two parts around ``llama_init_from_model``:
 
 - **While the context is made**, a thread looks every millisecond (``mincore``) at the pages llama.cpp
-  has zeroed so far and hands them back, a little behind the zeroing. The whole pool is never resident
+  has zeroed so far and hands them back, 2 MiB behind the zeroing. The whole pool is never resident
   at once: its start's peak is the model and the other buffers, not the pool. This is safe because the
   zeroing is the only writer of the buffer until the context is returned: whether a page is handed back
   before or after ``memset`` writes its zeros, it reads as zeros. Each range is also read (through
   ``/proc/self/mem``, which fails where memory is not mapped rather than faulting) and handed back only
   if it is zero, and only while the block's glibc header is still in place, 4 MiB at a time.
-- **Once it is made**, :func:`release_zeroed_block` hands back the rest: the one block of the KV's size
-  made meanwhile, checked zero throughout, in the thread that made the context, before anyone uses it.
+- **Once it is made**, :meth:`KvPageWatch.finish` hands back the rest, in the thread that made the
+  context, before anyone uses it: the block must be the one block of the KV's size among the new
+  mappings, and zero. Where the thread handed most of it back, only the pages still in memory are read
+  (the others read as zeros); otherwise :func:`release_zeroed_block` reads every new page.
 
 Which memory is the KV buffer is not in llama.cpp's API, so it is recognised: a block allocated while
 the context was made (in address space that was not mapped before), laid out as glibc's
 ``posix_memalign(64, size)`` lays out a block it maps of its own (ggml's ``ggml_aligned_malloc``), of
 exactly the KV cache's size (:func:`kv_bytes`), every page of it zero. Nothing else is touched: another
 allocator, a KV on a GPU, a model whose cache this does not size (sliding-window or recurrent layers,
-per-layer head counts) find no block and change nothing. What the thread cannot rule out: if llama.cpp
-fails to make the context, it frees the buffer, and another thread could map memory of exactly that
-layout at that address and write it in the microseconds between a range's check and its ``madvise``.
+per-layer head counts) find no block and change nothing. Contexts are made one at a time in the process
+(:data:`~llama_cache.context_lock.MAKING_CONTEXTS`, which ``llama_cache.Llama`` holds too), so no other
+context of this package can be writing a block of the same size meanwhile. What the thread cannot rule
+out: if llama.cpp fails to make the context, it frees the buffer, and another thread could map memory
+of exactly that layout at that address and write it in the microseconds between a range's check and
+its ``madvise``; and a context made with llama-cpp-python directly, in another thread at that moment.
 
 Linux only (``/proc/self/maps``, ``/proc/self/mem``, ``mincore``, ``madvise``); elsewhere nothing is
 handed back. Thread-safety: one :class:`KvPageWatch` per context being made, driven by the thread that
@@ -40,6 +45,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -48,6 +54,7 @@ import llama_cpp
 import numpy as np
 import numpy.typing as npt
 
+from llama_cache.context_lock import MAKING_CONTEXTS
 from llama_cache.engine.model import Model
 
 __all__ = ["KvPageWatch", "anonymous_ranges", "kv_bytes", "pool_cells", "release_zeroed_block"]
@@ -69,7 +76,8 @@ _SCAN_PIECE = 1 << 20  # bytes read at once: small, for the copies add to the mo
 _MAX_SCAN = 1 << 36  # a mapping larger than this (a reservation, not a buffer) is not read
 _MEMORY = "/proc/self/mem"
 _POLL_SECONDS = 0.001
-_WRITE_FRONT = 64  # the last pages zeroed so far, left to the zeroing (handing them back makes it fault again)
+_WRITE_FRONT = 512  # the last pages zeroed so far (2 MiB: a huge page), left to the zeroing (it would fault again)
+_FIND_SECONDS = 2.0  # how long after entering the thread looks for the block (none: a KV elsewhere, say)
 _CHECK_PIECE = 4 << 20  # bytes checked, then handed back, at once while the context is made
 _MAX_CANDIDATES = 4096  # pages read as possible block headers in one look
 
@@ -152,98 +160,157 @@ class KvPageWatch:
 
         with KvPageWatch(kv_bytes(model, pool_cells(n_ctx, n_seq_max, unified))) as watch:
             pointer = llama_cpp.llama_init_from_model(model.pointer, params)
-        released = watch.finish(kv_bytes(model, llama_cpp.llama_n_ctx(pointer))) if pointer else 0
+            released = watch.finish(kv_bytes(model, llama_cpp.llama_n_ctx(pointer))) if pointer else 0
 
-    Entering reads the process's mappings and starts a thread that calls :meth:`poll` every millisecond
-    until the block is exited; no thread is started where nothing could be handed back (another OS, a
-    model :func:`kv_bytes` does not size: ``size`` None). Ownership: the thread that makes the context
-    owns the watch.
+    Entering takes :data:`~llama_cache.context_lock.MAKING_CONTEXTS` (one context made at a time in
+    the process), reads the process's mappings and, with ``follow``, starts a thread that calls
+    :meth:`poll` every millisecond until :meth:`finish` or the block's end; no thread is started where
+    nothing could be handed back (another OS, a model :func:`kv_bytes` does not size: ``size`` None).
+    Leaving stops the thread and releases the lock. Ownership: the thread that makes the context owns
+    the watch; :meth:`poll` may be called from any thread (one look at a time).
     """
 
-    def __init__(self, size: int | None) -> None:
+    def __init__(self, size: int | None, *, follow: bool = True) -> None:
         if not hasattr(mmap, "MADV_DONTNEED"):
             size = None
         self.size = size if size is not None and size >= _PAGE else None
         """The bytes of the KV buffer looked for while the context is made (None: nothing is)."""
-        self.before: list[Range] = anonymous_ranges() if self.size is not None else []
-        """The anonymous mappings before the context was made."""
+        self.follow = follow
+        """Whether entering starts the thread (False: only :meth:`poll` calls look)."""
+        self.before: list[Range] = []
+        """The anonymous mappings when the watch was entered (before the context was made)."""
         self.block: int | None = None
         """Where the KV block starts, once :meth:`poll` has found it."""
         self.released_while_made = 0
         """Bytes handed back by :meth:`poll` (ranges handed back twice count twice)."""
         self._memory: int | None = None
         self._buffer = np.zeros(_CHECK_PIECE // 8, dtype=np.uint64)
+        self._looking = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._entered_at = 0.0
+        self._locked = False
+        self._closed = False
 
     def __enter__(self) -> KvPageWatch:
-        if self.size is not None and self.before and self._open():
-            self._thread = threading.Thread(target=self._follow, name="llama-cache-kv-pages", daemon=True)
-            self._thread.start()
+        MAKING_CONTEXTS.acquire()
+        self._locked = True
+        self._entered_at = time.monotonic()
+        if self.size is None:
+            return self
+        self.before = anonymous_ranges()
+        if self.follow and self.before and self._open():
+            thread = threading.Thread(target=self._follow, name="llama-cache-kv-pages", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had: finish() still hands the pages back
+                logger.debug("kv pages: no thread to follow the KV buffer", exc_info=True)
+            else:
+                self._thread = thread
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  trace: TracebackType | None) -> None:
-        self.stop()
+        self._stop_following()
+        with self._looking:
+            self._closed = True
+            if self._memory is not None:
+                os.close(self._memory)
+                self._memory = None
+        if self._locked:
+            self._locked = False
+            MAKING_CONTEXTS.release()
 
-    def stop(self) -> None:
-        """Stop the thread (waiting for its look in progress) and close what it read through. Idempotent."""
+    def poll(self) -> int:
+        """One look: find the block if it is not found yet (for at most :data:`_FIND_SECONDS` after
+        entering), then hand back the ranges of it that are in memory and zero, but for the last
+        :data:`_WRITE_FRONT` pages. Returns the bytes handed back. Never raises for what it reads;
+        O(the new mappings' pages / 4,096) for ``mincore`` plus O(the bytes in memory) read."""
+        with self._looking:
+            if self.size is None or not self.before or not self._open():
+                return 0
+            if self.block is None:
+                if time.monotonic() - self._entered_at > _FIND_SECONDS:
+                    return 0
+                self.block = self._find_block(self.size)
+                if self.block is None:
+                    return 0
+            first, end = _user_pages(self.block, self.size)
+            in_memory = _resident(first, end)
+            if in_memory is None:
+                return 0
+            pages = np.flatnonzero(in_memory)
+            released = 0
+            for low, high in _runs_of(pages[: len(pages) - _WRITE_FRONT]):
+                for at in range(first + low * _PAGE, first + high * _PAGE, _CHECK_PIECE):
+                    length = min(_CHECK_PIECE, first + high * _PAGE - at)
+                    if not (self._is_block(self.block, self.size) and self._zero(at, length)
+                            and _madvise(at, length, mmap.MADV_DONTNEED) == 0):
+                        self.released_while_made += released
+                        return released
+                    released += length
+            self.released_while_made += released
+            return released
+
+    def finish(self, size: int | None) -> int:
+        """Once the context is made, with a KV buffer of ``size`` bytes (:func:`kv_bytes` of its cells;
+        None: not sized), inside the ``with`` block: stop the thread and hand back the rest of the
+        buffer. Returns the buffer's bytes handed back, now or while it was made (0: no block found,
+        or not zero throughout).
+
+        Where the thread found the block and handed most of it back, only the pages still in memory
+        are read: the block must be the one glibc-mapped block of ``size`` bytes among the new
+        mappings' pages in memory (a block's header page is), and those of its pages must be zero
+        (the others read as zeros). Otherwise :func:`release_zeroed_block` reads every new page."""
+        self._stop_following()
+        if size is None or not self.before or not hasattr(mmap, "MADV_DONTNEED"):
+            return 0
+        with self._looking:
+            released = self._release_found(size) if self.block is not None and size == self.size else None
+        if released is None:
+            released = release_zeroed_block(self.before, size)
+        logger.debug("kv pages: %d of the KV buffer's %d bytes handed back until their cells are used "
+                     "(%d while the context was made)", released, size, self.released_while_made)
+        return released
+
+    def _stop_following(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        if self._memory is not None:
-            os.close(self._memory)
-            self._memory = None
 
-    def poll(self) -> int:
-        """One look: find the block if it is not found yet, then hand back the ranges of it that are in
-        memory and zero, but for the last :data:`_WRITE_FRONT` pages. Returns the bytes handed back.
-        Never raises for what it reads; O(the new mappings' pages / 4,096) for ``mincore`` plus O(the
-        bytes in memory) read."""
-        if self.size is None or not self._open():
-            return 0
-        if self.block is None:
-            self.block = self._find_block(self.size)
-            if self.block is None:
-                return 0
-        first = (self.block + _USER_AT + _PAGE - 1) // _PAGE * _PAGE
-        end = (self.block + _USER_AT + self.size) // _PAGE * _PAGE
+    def _release_found(self, size: int) -> int | None:
+        """:meth:`finish` for the block the thread found: the bytes handed back, 0 if it is not zero,
+        None if that cannot be told from the pages in memory (too many of them, or another block)."""
+        assert self.block is not None
+        candidates: list[int] = []
+        in_memory_count = 0
+        for start, end in _new_ranges(self.before, anonymous_ranges()):
+            if end - start > _MAX_SCAN:
+                continue
+            in_memory = _resident(start, end)
+            if in_memory is None:
+                return None
+            pages = np.flatnonzero(in_memory)
+            in_memory_count += len(pages)
+            if in_memory_count > _MAX_CANDIDATES:
+                return None
+            candidates += [at for at in (start + int(page) * _PAGE for page in pages)
+                           if at + _USER_AT + size <= end and self._is_block(at, size)]
+        if candidates != [self.block]:
+            return None
+        first, end = _user_pages(self.block, size)
         in_memory = _resident(first, end)
         if in_memory is None:
-            return 0
-        pages = np.flatnonzero(in_memory)[:-_WRITE_FRONT]
-        if not len(pages):
-            return 0
-        breaks = np.flatnonzero(np.diff(pages) != 1)
-        starts = np.concatenate((pages[:1], pages[breaks + 1]))
-        ends = np.concatenate((pages[breaks], pages[-1:])) + 1
-        released = 0
-        for low, high in zip(starts.tolist(), ends.tolist()):
+            return None
+        for low, high in _runs_of(np.flatnonzero(in_memory)):
             for at in range(first + low * _PAGE, first + high * _PAGE, _CHECK_PIECE):
-                length = min(_CHECK_PIECE, first + high * _PAGE - at)
-                if not (self._is_block(self.block, self.size) and self._zero(at, length)):
-                    self.released_while_made += released
-                    return released
-                if _madvise(at, length, mmap.MADV_DONTNEED) != 0:
-                    self.released_while_made += released
-                    return released
-                released += length
-        self.released_while_made += released
-        return released
-
-    def finish(self, size: int | None) -> int:
-        """Once the context is made, with a KV buffer of ``size`` bytes (:func:`kv_bytes` of its cells;
-        None: not sized): stop the watch and hand back the rest of the buffer with
-        :func:`release_zeroed_block`. Returns the buffer's bytes handed back, now or while it was made
-        (0: no block found, or not zero throughout)."""
-        self.stop()
-        if size is None or not self.before or not hasattr(mmap, "MADV_DONTNEED"):
+                if not self._zero(at, min(_CHECK_PIECE, first + high * _PAGE - at)):
+                    logger.debug("kv pages: the KV block at %#x holds data; not released", self.block)
+                    return 0
+        if _madvise(first, end - first, mmap.MADV_DONTNEED) != 0:
             return 0
-        released = release_zeroed_block(self.before, size)
-        logger.debug("kv pages: %d of the KV buffer's %d bytes handed back until their cells are used "
-                     "(%d while the context was made)", released, size, self.released_while_made)
-        return released
+        return end - first
 
     def _follow(self) -> None:
         while not self._stop.wait(_POLL_SECONDS):
@@ -254,7 +321,7 @@ class KvPageWatch:
                 return
 
     def _open(self) -> bool:
-        if self._memory is None and not self._stop.is_set():
+        if self._memory is None and not self._closed:
             try:
                 self._memory = os.open(_MEMORY, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
@@ -350,6 +417,21 @@ def _copy(address: int, length: int) -> npt.NDArray[np.uint8]:
     """A copy of ``length`` bytes at ``address``, read holding the GIL (``ctypes.string_at``): no Python
     thread can unmap memory meanwhile (a page read for the first time maps the zero page, nothing more)."""
     return np.frombuffer(ctypes.string_at(address, length), dtype=np.uint8)
+
+
+def _user_pages(block: int, size: int) -> Range:
+    """The whole pages of a ``posix_memalign(64, size)`` block's memory (not its header's page)."""
+    return (block + _USER_AT + _PAGE - 1) // _PAGE * _PAGE, (block + _USER_AT + size) // _PAGE * _PAGE
+
+
+def _runs_of(pages: npt.NDArray[np.intp]) -> list[tuple[int, int]]:
+    """``[low, high)`` runs of consecutive page numbers in the sorted ``pages``."""
+    if not len(pages):
+        return []
+    breaks = np.flatnonzero(np.diff(pages) != 1)
+    starts = np.concatenate((pages[:1], pages[breaks + 1]))
+    ends = np.concatenate((pages[breaks], pages[-1:])) + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 def _resident(start: int, end: int) -> npt.NDArray[np.bool_] | None:
