@@ -915,3 +915,26 @@ def serve_engine(results: Results) -> str:
     parts.append("The script's verdicts (issue #26's targets):\n\n" + "\n".join(verdicts))
     parts.append(conditions(run, f"llama-server {run['llama_server_version']}" if run.get("llama_server_version") else ""))
     return "\n\n".join(parts)
+
+
+# The engine: making a context (benchmarks/kv_pages.py) -------------------------------------------
+
+@renders("kv-pages")
+def kv_pages(results: Results) -> str:
+    run = results["kv_pages"]
+    summary, settings = run["summary"], run["settings"]
+    mb = lambda value: num(None if value is None else value / 1e6, 0)  # noqa: E731
+    rows = [[f"`{side}`" if side == "llama.cpp" else "the engine (`BatchContext`)",
+             spread(summary[side]["seconds"], lambda v: num(v, 3), " s"), spread(summary[side]["peak"], mb, " MB"),
+             spread(summary[side]["added_to_peak"], mb, " MB"), spread(summary[side]["released"], mb, " MB")]
+            for side in ("engine", "llama.cpp")]
+    return "\n\n".join([
+        f"One context of {settings['n_ctx']:,} cells ({run['kv_bytes'] / 2**20:,.0f} MiB of KV), "
+        f"{settings['n_seq_max']} sequence ids, flash attention on, {settings['threads']} threads, the default "
+        f"model loaded first; a fresh process per side, {settings['rounds']} rounds, order alternating; "
+        "median (min-max):",
+        table(["side", "time to make it", "peak resident set", "added to the peak", "handed back"], rows),
+        "The script's verdicts:\n\n" + "\n".join(f"- {t['what']}: {num(t['value'], 2)}: {verdict(t['met'])}"
+                                                 for t in run["targets"]),
+        conditions(run),
+    ])
