@@ -12,9 +12,11 @@ Both load the default model the same way first. Measured per side: the process's
 just before), the seconds it took, and the bytes the engine handed back. Settings: ``--n-ctx`` cells
 (default 32,768, the serving benchmark's pool), 16 sequence ids, flash attention on, 2 threads.
 Targets: what making the context adds to the peak at most half the KV buffer's size (the pool is
-never resident at once), and the time at most 1.1x llama.cpp's alone.
+never resident at once), and the time at most 1.1x llama.cpp's alone: the median of the rounds'
+ratios, each round's two sides made one after the other (the times of one side spread by 2x on a
+shared machine; a round's pair shares its moment).
 
-    python benchmarks/kv_pages.py [--rounds 5] [--n-ctx 32768]
+    python benchmarks/kv_pages.py [--rounds 9] [--n-ctx 32768]
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--n-ctx", type=int, default=32768)
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kv_pages.json")
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
@@ -110,13 +112,17 @@ def main(argv: list[str] | None = None) -> int:
                       for key in ("seconds", "peak", "added_to_peak", "released")} for side in SIDES}
     kv = results["runs"][0]["kv_bytes"]
     added = summary["engine"]["added_to_peak"]["median"] / kv
-    slower = summary["engine"]["seconds"]["median"] / summary["llama.cpp"]["seconds"]["median"]
+    seconds = {(r["round"], r["side"]): r["seconds"] for r in results["runs"]}
+    ratios = [seconds[(n, "engine")] / seconds[(n, "llama.cpp")] for n in range(args.rounds)]
+    slower = statistics.median(ratios)
     results["summary"] = summary
+    results["time_ratios"] = ratios
     results["kv_bytes"] = kv
     results["targets"] = [
         {"what": f"making the context adds at most {PEAK_TARGET}x the KV buffer's size to the peak",
          "value": added, "met": added <= PEAK_TARGET},
-        {"what": f"making the context takes at most {TIME_TARGET}x llama.cpp's time alone",
+        {"what": f"making the context takes at most {TIME_TARGET}x llama.cpp's time alone (median of the "
+                 "rounds' ratios)",
          "value": slower, "met": slower <= TIME_TARGET},
     ]
     write(args.out, results)

@@ -934,6 +934,8 @@ def kv_pages(results: Results) -> str:
         f"model loaded first; a fresh process per side, {settings['rounds']} rounds, order alternating; "
         "median (min-max):",
         table(["side", "time to make it", "peak resident set", "added to the peak", "handed back"], rows),
+        "The rounds' time ratios, the engine's / llama.cpp's: "
+        + ", ".join(num(value, 2) for value in sorted(run["time_ratios"])) + ".",
         "The script's verdicts:\n\n" + "\n".join(f"- {t['what']}: {num(t['value'], 2)}: {verdict(t['met'])}"
                                                  for t in run["targets"]),
         conditions(run),
