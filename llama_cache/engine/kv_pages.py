@@ -41,6 +41,7 @@ makes it; the context must not be used by another thread before :meth:`KvPageWat
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -133,8 +134,7 @@ def release_zeroed_block(before: Sequence[Range], size: int) -> int:
         if blocks:
             logger.debug("kv pages: %d blocks of %d bytes were made; none released", len(blocks), size)
         return 0
-    first = (blocks[0] + _USER_AT + _PAGE - 1) // _PAGE * _PAGE
-    end = (blocks[0] + _USER_AT + size) // _PAGE * _PAGE
+    first, end = _user_pages(blocks[0], size)
     if not _all_zero(first, end):
         logger.debug("kv pages: the KV block at %#x holds data; not released", blocks[0])
         return 0
@@ -350,11 +350,7 @@ class KvPageWatch:
         header = self._read(at, _USER_AT)
         if header is None:
             return False
-        words = [int(word) for word in header.view(np.uint64)]
-        shortest, longest = (-(-(size + overhead) // _PAGE) * _PAGE for overhead in (_USER_AT + 8, _USER_AT + 136))
-        length = (words[7] & ~7) + _LEAD
-        return (words[6] == _LEAD and words[7] & 7 == _IS_MMAPPED and words[1] == length | _IS_MMAPPED
-                and shortest <= length <= longest)
+        return bool(_block_headers(header.view(np.uint64).reshape(1, -1), size)[0])
 
     def _zero(self, address: int, length: int) -> bool:
         piece = self._read(address, length)
@@ -396,17 +392,21 @@ def _blocks_of(start: int, end: int, size: int) -> list[int]:
     block begins and ends inside the range."""
     if end - start < size + _USER_AT or end - start > _MAX_SCAN:
         return []
-    # The mapped length: the block and glibc's 72 to 200 bytes before and after it, in whole pages.
-    shortest, longest = (-(-(size + overhead) // _PAGE) * _PAGE for overhead in (_USER_AT + 8, _USER_AT + 136))
     found: list[int] = []
     for at in range(start, end, _SCAN_PIECE):
         pages = _copy(at, min(_SCAN_PIECE, end - at)).view(np.uint64).reshape(-1, _PAGE // 8)
-        lengths = (pages[:, 7] & ~np.uint64(7)) + np.uint64(_LEAD)
-        hits = np.flatnonzero((pages[:, 6] == _LEAD) & (pages[:, 7] & np.uint64(7) == _IS_MMAPPED)
-                              & (pages[:, 1] == lengths | np.uint64(_IS_MMAPPED))
-                              & (lengths >= shortest) & (lengths <= longest))
-        found += [at + int(index) * _PAGE for index in hits]
+        found += [at + int(index) * _PAGE for index in np.flatnonzero(_block_headers(pages, size))]
     return [block for block in found if block + _USER_AT + size <= end]
+
+
+def _block_headers(words: npt.NDArray[np.uint64], size: int) -> npt.NDArray[np.bool_]:
+    """Which rows of ``words`` (each a page's first 8 or more 64-bit words) hold the header of a
+    glibc-mapped ``posix_memalign(64, size)`` block (see the layout above :data:`_LEAD`)."""
+    # The mapped length: the block and glibc's 72 to 200 bytes before and after it, in whole pages.
+    shortest, longest = (-(-(size + overhead) // _PAGE) * _PAGE for overhead in (_USER_AT + 8, _USER_AT + 136))
+    lengths = (words[:, 7] & ~np.uint64(7)) + np.uint64(_LEAD)
+    return ((words[:, 6] == _LEAD) & (words[:, 7] & np.uint64(7) == _IS_MMAPPED)
+            & (words[:, 1] == lengths | np.uint64(_IS_MMAPPED)) & (lengths >= shortest) & (lengths <= longest))
 
 
 def _all_zero(start: int, end: int) -> bool:
@@ -437,24 +437,28 @@ def _runs_of(pages: npt.NDArray[np.intp]) -> list[tuple[int, int]]:
 def _resident(start: int, end: int) -> npt.NDArray[np.bool_] | None:
     """Which pages of ``[start, end)`` (page-aligned) are in memory (``mincore``); None if it fails (a
     part is not mapped)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except (OSError, TypeError):
-        return None
+    libc = _libc()
     vector = np.zeros((end - start) // _PAGE, dtype=np.uint8)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.mincore.restype = ctypes.c_int
-    if not len(vector) or libc.mincore(start, end - start, vector.ctypes.data) != 0:
+    if libc is None or not len(vector) or libc.mincore(start, end - start, vector.ctypes.data) != 0:
         return None
     return (vector & 1).astype(bool)
 
 
-def _madvise(address: int, length: int, advice: int) -> int:
-    """libc's ``madvise``; -1 where there is none to call."""
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    """libc with ``mincore`` and ``madvise`` declared; None where there is none to call."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-    except (OSError, TypeError):
-        return -1
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, TypeError, AttributeError):
+        return None
+    libc.mincore.restype = ctypes.c_int
     libc.madvise.restype = ctypes.c_int
-    return int(libc.madvise(address, length, advice))
+    return libc
+
+
+def _madvise(address: int, length: int, advice: int) -> int:
+    """libc's ``madvise``; -1 where there is none to call."""
+    libc = _libc()
+    return -1 if libc is None else int(libc.madvise(address, length, advice))
