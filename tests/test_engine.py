@@ -204,6 +204,42 @@ def test_an_evicted_sequence_goes_to_the_tiers_and_comes_back_from_them() -> Non
         assert evaluated <= len(more) - len(long) + 1
 
 
+def test_a_long_prompt_moves_the_idle_sequences_to_the_tiers_and_a_short_one_leaves_them(reference: Llama) -> None:
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    with Engine(n_ctx=2048, parallel=1, idle_sequences=3, cache=cache, clear_idle_rows=64) as engine:
+        first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
+        short = engine.model.tokenize(b"Hello there.")
+        other = engine.model.tokenize(b"Another long text, this one about the mountains of Norway and goats. " * 5)
+        assert len(first) >= 64 and len(other) >= 64 and len(short) < 64
+        _greedy(engine, first, 2)
+        _greedy(engine, short, 2)  # too short to clear: the first stays idle in the context
+        assert engine.scheduler.stats.evicted == 0 and len(engine.residency.idle()) == 2
+        _greedy(engine, other, 2)  # long: both idle sequences go to the tiers before it is read
+        assert engine.scheduler.stats.evicted == 2 and len(cache) == 2
+        idle = engine.residency.idle()
+        assert len(idle) == 1 and engine.residency.cells_in_use() == idle[0].n
+        more = first + engine.model.tokenize(b" Name one:", add_bos=False)
+        text, evaluated = _greedy(engine, more, 8)
+        assert engine.scheduler.stats.restored_tokens >= len(first) - 1
+        assert evaluated <= len(more) - len(first) + 1
+        assert text == reference.create_completion(more, max_tokens=8, temperature=0)["choices"][0]["text"]
+
+
+def test_without_tiers_or_with_clearing_off_idle_sequences_stay() -> None:
+    prompts = [f"Text {i}: the harbours of the Baltic sea and their ships, ".encode() * 5 for i in range(3)]
+    for options in ({}, {"cache": LlamaRAMCache(capacity_bytes=1 << 30), "clear_idle_rows": None}):
+        with Engine(n_ctx=2048, parallel=1, idle_sequences=3, **options) as engine:
+            for prompt in prompts:
+                _greedy(engine, engine.model.tokenize(prompt), 2)
+            assert engine.scheduler.stats.evicted == 0 and len(engine.residency.idle()) == 3
+
+
+@pytest.mark.parametrize("rows", [0, -5, True, 1.5, "128"])
+def test_clear_idle_rows_must_be_a_positive_int_or_none(rows: Any) -> None:
+    with pytest.raises(ValueError, match="clear_idle_rows"):
+        Engine(clear_idle_rows=rows)
+
+
 def test_a_full_pool_preempts_and_every_request_is_answered_whole() -> None:
     # Four requests whose prompts and answers cannot all fit the pool at once.
     with Engine(n_ctx=512, parallel=4) as engine:

@@ -9,7 +9,8 @@ A prompt starts from the longest of: cells a live or idle sequence of its cache 
 (shared with ``llama_memory_seq_cp``), a state of the cache tiers (restored into its sequence), a
 checkpoint of an idle sequence on its path (recurrent and hybrid models: :mod:`.rollback`), or
 nothing. Finished sequences stay in the context, idle, as the fastest tier; they go to the cache tiers
-when evicted, and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
+when evicted, when a long prompt is admitted (``clear_idle_rows``: in one pool every row walks their
+cells too), and at :meth:`Engine.close`. With ``store_finished`` (a disk or shared tier: other
 processes should find the state now), every finished completion's state is stored as it ends.
 
 Thread-safety: every public method may be called from any thread; the scheduler's thread alone
@@ -80,6 +81,10 @@ class Engine:
             row multiplies through every cell in use, and a sequence's logits depend slightly on where
             its cells lie and what is decoded beside it; deterministic mode refuses it.
         cache: the cache tiers (None: none; idle sequences are the only reuse).
+        clear_idle_rows: a request admitted with at least this many prompt tokens to evaluate first
+            moves every idle sequence to ``cache`` (stored, its cells freed), so that its rows do not
+            walk their cells (docs/engine.md, "What the unified pool costs"); None: never. Applies
+            with a ``cache``, to a transformer model's shared pool (not in deterministic mode).
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).
         chat_template: a Jinja2 chat template instead of the model's.
@@ -108,14 +113,15 @@ class Engine:
                  flash_attn: bool | None = None, cache: BaseLlamaCache | None = None, store_finished: bool = False,
                  chat_template: str | None = None, prompt_rows_per_step: int = 128,
                  deterministic: bool = False, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
-                 checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES) -> None:
+                 checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES, clear_idle_rows: int | None = 128) -> None:
         if parallel < 1:
             raise ValueError(f"parallel must be positive, got {parallel}")
         if idle_sequences is not None:
             idle = idle_sequences
         else:
             idle = 0 if deterministic else max(parallel, 4)
-        for name, value in (("checkpoint_interval", checkpoint_interval), ("checkpoint_bytes", checkpoint_bytes)):
+        for name, value in (("checkpoint_interval", checkpoint_interval), ("checkpoint_bytes", checkpoint_bytes),
+                            ("clear_idle_rows", 1 if clear_idle_rows is None else clear_idle_rows)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if idle < 0:
@@ -160,7 +166,9 @@ class Engine:
         """A recurrent or hybrid model's checkpoints per sequence (None for transformers)."""
         self.scheduler = Scheduler(self.context, self.residency, store=self.store if cache is not None else None,
                                    max_running=n_seq, prompt_rows_per_step=prompt_rows_per_step,
-                                   deterministic=deterministic, rollback=self.rollback)
+                                   deterministic=deterministic, rollback=self.rollback,
+                                   clear_idle_rows=(clear_idle_rows if cache is not None and not deterministic
+                                                    and not self.model.recurrent else None))
         self._closed = False
 
     # -- namespaces and reuse ----------------------------------------------------------------------

@@ -38,6 +38,15 @@ the cache tiers first (``store``); if that is not enough, the youngest running g
 preempted: its cells are dropped and it waits, first in line, to evaluate its tokens again (a greedy
 answer is unchanged). A decode never fails for want of cells.
 
+Idle sequences also leave for the cache tiers, all of them, when a generation is admitted with at
+least ``clear_idle_rows`` prompt tokens to read (as ``llama-server --cache-idle-slots`` does on each
+new task): in one pool every row a step evaluates walks the cells up to the highest in use, idle
+conversations' included, so a long prompt read beside them costs more the more they hold (measured
+with the default model, 2 threads: 800 prompt tokens in 3.2 s with nothing else in the pool, 4.6 s
+beside five idle 1,100-token conversations). Storing an idle conversation and restoring it when it
+comes back costs about what 90 rows walking its cells cost, so short prompts (a conversation's next
+turn) leave them where they are.
+
 Thread-safety: :meth:`Scheduler.submit`, :meth:`Scheduler.wake`, :meth:`Scheduler.close` and the
 counters may be used from any thread; everything else runs on the scheduler's thread.
 """
@@ -168,6 +177,9 @@ class Scheduler:
         deterministic: each generation's rows in decodes of their own (see the module's docstring);
             the context must give each sequence a stream of its own, with a cell to spare beyond
             what any generation holds.
+        clear_idle_rows: a generation admitted with at least this many prompt tokens to read first
+            moves every idle sequence to the cache tiers (see the module's docstring); None: never.
+            Only with ``store``, and only where sequences share one pool.
         rollback: a recurrent or hybrid model's checkpoints per sequence (owned by the caller, who
             closes it after this scheduler): prompts are read up to each checkpoint and saved there,
             and a prompt leaving an idle sequence's path takes it back to the furthest checkpoint on
@@ -177,9 +189,11 @@ class Scheduler:
     def __init__(self, context: BatchContext, residency: Residency, *,
                  store: Callable[[LlamaState], None] | None = None, max_running: int | None = None,
                  prompt_rows_per_step: int = 128, deterministic: bool = False,
-                 rollback: Rollback | None = None) -> None:
+                 rollback: Rollback | None = None, clear_idle_rows: int | None = None) -> None:
         if deterministic and context.shares_cells:
             raise ValueError("deterministic mode needs a KV stream per sequence (kv_unified off)")
+        if clear_idle_rows is not None and (clear_idle_rows < 1 or store is None or not context.shares_cells):
+            raise ValueError("clear_idle_rows must be positive, with a store, over one shared pool")
         self.context = context
         self.residency = residency
         self._store = store
@@ -188,6 +202,7 @@ class Scheduler:
         self.step_budget = StepBudget(max(1, min(prompt_rows_per_step, context.n_batch)))
         self.deterministic = deterministic
         self.rollback = rollback
+        self.clear_idle_rows = clear_idle_rows
         self.stats = SchedulerStats()
         self._condition = threading.Condition()
         self._inbox: list[Generation] = []
@@ -331,6 +346,9 @@ class Scheduler:
                     generation.order = self._orders
                 self._running.append(generation)
                 self._running.sort(key=lambda g: g.order)
+                if self.clear_idle_rows is not None and len(generation.todo) >= self.clear_idle_rows:
+                    for resident in self.residency.idle():
+                        self._evict(resident)
 
     def _place(self, generation: Generation) -> bool:
         """Give ``generation`` a sequence holding the longest reusable head of its tokens; False: not now."""
@@ -509,14 +527,17 @@ class Scheduler:
     def _evict_one(self, keep: Resident | None = None) -> Resident | None:
         """Empty the least recently used idle sequence (its state stored first); None if none is idle."""
         for resident in self.residency.idle():
-            if resident is keep:
-                continue
-            self._store_resident(resident)
-            self.context.cut(resident.seq)
-            self.residency.emptied(resident)
-            self.stats.evicted += 1
-            return resident
+            if resident is not keep:
+                self._evict(resident)
+                return resident
         return None
+
+    def _evict(self, resident: Resident) -> None:
+        """Empty idle ``resident``, its state given to the cache tiers first."""
+        self._store_resident(resident)
+        self.context.cut(resident.seq)
+        self.residency.emptied(resident)
+        self.stats.evicted += 1
 
     def _store_resident(self, resident: Resident) -> None:
         if self._store is None or resident.n == 0 or resident.stored >= resident.n:
