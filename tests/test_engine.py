@@ -225,6 +225,34 @@ def test_a_long_prompt_moves_the_idle_sequences_to_the_tiers_and_a_short_one_lea
         assert text == reference.create_completion(more, max_tokens=8, temperature=0)["choices"][0]["text"]
 
 
+def test_a_turn_whose_sequence_left_after_it_was_submitted_is_restored_from_the_tiers() -> None:
+    # The next turn is submitted while its conversation is idle in the context (so its caller takes no
+    # state from the tiers); a long prompt admitted before it moves that sequence out.
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    with Engine(n_ctx=2048, parallel=3, idle_sequences=1, cache=cache, clear_idle_rows=64) as engine:
+        first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
+        _greedy(engine, first, 2)
+        inside, release = threading.Event(), threading.Event()
+
+        def hold(ids: Any, logits: Any) -> Any:
+            inside.set()
+            release.wait(60)
+            return logits
+
+        blocker = engine.submit(engine.model.tokenize(b"Hi"), max_tokens=2, temperature=0, logits_processor=[hold])
+        assert inside.wait(60)  # the scheduler's thread is held: nothing is admitted meanwhile
+        other = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow. " * 10),
+                              max_tokens=2, temperature=0)
+        turn = engine.submit(first + engine.model.tokenize(b" Name one:", add_bos=False), max_tokens=2,
+                             temperature=0)
+        release.set()
+        for request in (blocker, other, turn):
+            request.result(timeout=120)
+        assert engine.scheduler.stats.evicted >= 1  # the long prompt moved the conversation out
+        assert engine.scheduler.stats.restored_tokens >= len(first) - 1
+        assert turn.cached_tokens >= len(first) - 1
+
+
 def test_without_tiers_or_with_clearing_off_idle_sequences_stay() -> None:
     prompts = [f"Text {i}: the harbours of the Baltic sea and their ships, ".encode() * 5 for i in range(3)]
     for options in ({}, {"cache": LlamaRAMCache(capacity_bytes=1 << 30), "clear_idle_rows": None}):

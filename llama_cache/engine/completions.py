@@ -185,11 +185,13 @@ class Completions:
         if self.stop_check is not None:
             criteria.append(self.stop_check)
         run = _Run(engine.model, checked, stops, criteria, limit, self.token_watcher)
+        prompt = np.array(checked, dtype=np.int32)
+        restore = engine.lookup(checked, self.fingerprint)
         generation = Generation(
-            prompt=np.array(checked, dtype=np.int32), fingerprint=self.fingerprint,
+            prompt=prompt, fingerprint=self.fingerprint,
             sampler=Sampler(settings, engine.model.n_vocab, list(logits_processor or [])),
-            on_token=run.on_token, cancelled=self.cancelled,
-            restore=engine.lookup(checked, self.fingerprint),
+            on_token=run.on_token, cancelled=self.cancelled, restore=restore,
+            counted_on=0 if restore is not None else engine.reusable(prompt, self.fingerprint),
             keep_state=engine.store_finished or self.after_generation is not None)
         self._generation = generation
         self._run = run

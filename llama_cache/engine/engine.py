@@ -111,7 +111,7 @@ class Engine:
     def __init__(self, model_path: str | os.PathLike[str] | None = None, *, n_ctx: int = 4096, parallel: int = 4,
                  idle_sequences: int | None = None, n_threads: int | None = None, n_batch: int = 512,
                  flash_attn: bool | None = None, cache: BaseLlamaCache | None = None, store_finished: bool = False,
-                 chat_template: str | None = None, prompt_rows_per_step: int = 128,
+                 chat_template: str | None = None, prompt_rows_per_step: int = 64,
                  deterministic: bool = False, checkpoint_interval: int = DEFAULT_CHECKPOINT_INTERVAL,
                  checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES, clear_idle_rows: int | None = 128) -> None:
         if parallel < 1:
@@ -165,6 +165,7 @@ class Engine:
                          if self.model.recurrent else None)
         """A recurrent or hybrid model's checkpoints per sequence (None for transformers)."""
         self.scheduler = Scheduler(self.context, self.residency, store=self.store if cache is not None else None,
+                                   lookup=self.lookup if cache is not None else None,
                                    max_running=n_seq, prompt_rows_per_step=prompt_rows_per_step,
                                    deterministic=deterministic, rollback=self.rollback,
                                    clear_idle_rows=(clear_idle_rows if cache is not None and not deterministic

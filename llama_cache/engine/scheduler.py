@@ -102,6 +102,10 @@ class Generation:
         cancelled: asked every step; True ends it (``finish_reason`` ``"cancelled"``).
         restore: a state of the cache tiers for a head of ``prompt`` (the caller looked it up), used
             if it reaches further than any sequence.
+        counted_on: without ``restore``, how many leading tokens of ``prompt`` a sequence of the
+            context held when the caller looked in the tiers. If no sequence holds that many when it
+            is admitted (that sequence was evicted meanwhile, its state given to the tiers), the
+            scheduler looks in the tiers again, on its thread (``lookup``).
         keep_state: when it ends, its sequence's state is read into :attr:`state` (for the caller to
             store in the cache tiers).
 
@@ -116,6 +120,7 @@ class Generation:
     on_token: TokenCallback
     cancelled: Callable[[], bool] = lambda: False
     restore: LlamaState | None = None
+    counted_on: int = 0
     keep_state: bool = False
     reused: int = 0
     restored: int = 0
@@ -171,6 +176,9 @@ class Scheduler:
         residency: its sequences.
         store: gives an evicted sequence's state to the cache tiers (never raises); None: evictions
             drop their state.
+        lookup: the cache tiers' state for the longest head of some tokens in a namespace, or None
+            (never raises): asked for a generation whose head was evicted after its caller looked
+            (see :attr:`Generation.counted_on`).
         max_running: generations running at once (the others wait); at most the sequence ids.
         prompt_rows_per_step: the most prompt rows a step carries, a prompt that cannot finish in it
             fewer while other rows sample (see :class:`~.step_budget.StepBudget`).
@@ -187,8 +195,10 @@ class Scheduler:
     """
 
     def __init__(self, context: BatchContext, residency: Residency, *,
-                 store: Callable[[LlamaState], None] | None = None, max_running: int | None = None,
-                 prompt_rows_per_step: int = 128, deterministic: bool = False,
+                 store: Callable[[LlamaState], None] | None = None,
+                 lookup: Callable[[npt.NDArray[np.int32], str], LlamaState | None] | None = None,
+                 max_running: int | None = None,
+                 prompt_rows_per_step: int = 64, deterministic: bool = False,
                  rollback: Rollback | None = None, clear_idle_rows: int | None = None) -> None:
         if deterministic and context.shares_cells:
             raise ValueError("deterministic mode needs a KV stream per sequence (kv_unified off)")
@@ -197,6 +207,7 @@ class Scheduler:
         self.context = context
         self.residency = residency
         self._store = store
+        self._lookup = lookup
         n_seq = len(residency.residents)
         self.max_running = min(max_running or n_seq, n_seq)
         self.step_budget = StepBudget(max(1, min(prompt_rows_per_step, context.n_batch)))
@@ -359,6 +370,9 @@ class Scheduler:
         if not generation.sampled and self._place_exact(generation, tokens):
             return True
         source, reused = residency.reusable(tokens, fingerprint, limit)
+        if generation.restore is None and generation.counted_on > reused and self._lookup is not None:
+            generation.restore = self._lookup(tokens, fingerprint)  # the head it counted on went to the tiers
+        generation.counted_on = 0
         if not residency.whole_states_only and self._head_in_flight(tokens[:limit], fingerprint, reused):
             return False
         restore, usable = generation.restore, 0
