@@ -670,8 +670,8 @@ def test_the_context_runs_with_the_configured_threads_flash_attention_and_a_unif
 
     params = server.service.engine.context.params
     assert (params.n_threads, params.n_threads_batch) == (physical_cores(), physical_cores())
-    # A batch as large as a step can fill: a generated token per sequence and 128 prompt rows.
-    assert params.n_batch == params.n_ubatch == min(512, params.n_seq_max + 128)
+    # A batch as large as a step can fill: a generated token per sequence and 64 prompt rows.
+    assert params.n_batch == params.n_ubatch == min(512, params.n_seq_max + 64)
     assert server.service.engine.flash_attn is True  # as the fixture asks
     assert params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
     assert ServerConfig(n_ctx=N_CTX).context_options()["flash_attn"] is True  # auto: on
