@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -225,6 +226,24 @@ def test_a_long_prompt_moves_the_idle_sequences_to_the_tiers_and_a_short_one_lea
         assert text == reference.create_completion(more, max_tokens=8, temperature=0)["choices"][0]["text"]
 
 
+def _held_generation(engine: Engine) -> tuple[threading.Event, threading.Event, threading.Event, threading.Thread]:
+    """A generation whose cancellation check, once armed, holds the scheduler's thread until released,
+    then cancels it: (armed, inside, release, its thread)."""
+    armed, inside, release = threading.Event(), threading.Event(), threading.Event()
+
+    def cancelled() -> bool:
+        if not armed.is_set():
+            return False
+        inside.set()
+        release.wait(60)
+        return True
+
+    thread = threading.Thread(target=lambda: engine.completions(cancelled=cancelled).create_completion(
+        "Count: 1, 2, 3,", max_tokens=400, temperature=0))
+    thread.start()
+    return armed, inside, release, thread
+
+
 def test_a_turn_whose_sequence_left_after_it_was_submitted_is_restored_from_the_tiers() -> None:
     # The next turn is submitted while its conversation is idle in the context (so its caller takes no
     # state from the tiers); a long prompt admitted before it moves that sequence out.
@@ -232,25 +251,39 @@ def test_a_turn_whose_sequence_left_after_it_was_submitted_is_restored_from_the_
     with Engine(n_ctx=2048, parallel=3, idle_sequences=1, cache=cache, clear_idle_rows=64) as engine:
         first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
         _greedy(engine, first, 2)
-        inside, release = threading.Event(), threading.Event()
-
-        def hold(ids: Any, logits: Any) -> Any:
-            inside.set()
-            release.wait(60)
-            return logits
-
-        blocker = engine.submit(engine.model.tokenize(b"Hi"), max_tokens=2, temperature=0, logits_processor=[hold])
+        armed, inside, release, thread = _held_generation(engine)
+        armed.set()
         assert inside.wait(60)  # the scheduler's thread is held: nothing is admitted meanwhile
         other = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow. " * 10),
                               max_tokens=2, temperature=0)
         turn = engine.submit(first + engine.model.tokenize(b" Name one:", add_bos=False), max_tokens=2,
                              temperature=0)
-        release.set()
-        for request in (blocker, other, turn):
+        release.set()  # the held generation ends: the long prompt is admitted alone
+        thread.join(120)
+        for request in (other, turn):
             request.result(timeout=120)
         assert engine.scheduler.stats.evicted >= 1  # the long prompt moved the conversation out
         assert engine.scheduler.stats.restored_tokens >= len(first) - 1
         assert turn.cached_tokens >= len(first) - 1
+
+
+def test_a_long_prompt_beside_a_running_generation_leaves_the_idle_sequences() -> None:
+    # Reading idle states out holds the step loop: not while another generation would wait for it.
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    with Engine(n_ctx=2048, parallel=3, idle_sequences=1, cache=cache, clear_idle_rows=64) as engine:
+        _greedy(engine, engine.model.tokenize(b"The harbours of the Baltic sea and their ships. " * 8), 2)
+        armed, inside, release, thread = _held_generation(engine)
+        deadline = time.monotonic() + 60
+        while engine.scheduler.running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.scheduler.running == 1
+        long = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow. " * 10),
+                             max_tokens=2, temperature=0)
+        long.result(timeout=120)  # admitted and answered while the other generation runs
+        assert engine.scheduler.stats.evicted == 0 and engine.residency.idle()
+        armed.set()
+        release.set()
+        thread.join(120)
 
 
 def test_without_tiers_or_with_clearing_off_idle_sequences_stay() -> None:

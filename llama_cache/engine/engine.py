@@ -81,9 +81,9 @@ class Engine:
             row multiplies through every cell in use, and a sequence's logits depend slightly on where
             its cells lie and what is decoded beside it; deterministic mode refuses it.
         cache: the cache tiers (None: none; idle sequences are the only reuse).
-        clear_idle_rows: a request admitted with at least this many prompt tokens to evaluate first
-            moves every idle sequence to ``cache`` (stored, its cells freed), so that its rows do not
-            walk their cells (docs/engine.md, "What the unified pool costs"); None: never. Applies
+        clear_idle_rows: a request admitted with at least this many prompt tokens to evaluate, and
+            no other request running, first moves every idle sequence to ``cache`` (stored, its cells
+            freed), so that its rows do not walk their cells (docs/engine.md, "What the unified pool costs"); None: never. Applies
             with a ``cache``, to a transformer model's shared pool (not in deterministic mode).
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).

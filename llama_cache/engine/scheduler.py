@@ -39,13 +39,16 @@ preempted: its cells are dropped and it waits, first in line, to evaluate its to
 answer is unchanged). A decode never fails for want of cells.
 
 Idle sequences also leave for the cache tiers, all of them, when a generation is admitted with at
-least ``clear_idle_rows`` prompt tokens to read (as ``llama-server --cache-idle-slots`` does on each
-new task): in one pool every row a step evaluates walks the cells up to the highest in use, idle
-conversations' included, so a long prompt read beside them costs more the more they hold (measured
-with the default model, 2 threads: 800 prompt tokens in 3.2 s with nothing else in the pool, 4.6 s
-beside five idle 1,100-token conversations). Storing an idle conversation and restoring it when it
-comes back costs about what 90 rows walking its cells cost, so short prompts (a conversation's next
-turn) leave them where they are.
+least ``clear_idle_rows`` prompt tokens to read and nothing else running (as ``llama-server
+--cache-idle-slots`` does on each new task): in one pool every row a step evaluates walks the cells
+up to the highest in use, idle conversations' included, so a long prompt read beside them costs more
+the more they hold (measured with the default model, 2 threads: 800 prompt tokens in 3.2 s with
+nothing else in the pool, 4.6 s beside five idle 1,100-token conversations). Storing an idle
+conversation and restoring it when it comes back costs about what 90 rows walking its cells cost, so
+short prompts (a conversation's next turn) leave them where they are. Reading the states out holds
+the step loop (about 25 ms per 1,000 tokens), so it is done only when no other generation would wait
+for it: clearing on every long prompt let a stream of long requests stall everyone else's tokens
+(``benchmarks/serve_noisy.py``).
 
 Thread-safety: :meth:`Scheduler.submit`, :meth:`Scheduler.wake`, :meth:`Scheduler.close` and the
 counters may be used from any thread; everything else runs on the scheduler's thread.
@@ -185,8 +188,9 @@ class Scheduler:
         deterministic: each generation's rows in decodes of their own (see the module's docstring);
             the context must give each sequence a stream of its own, with a cell to spare beyond
             what any generation holds.
-        clear_idle_rows: a generation admitted with at least this many prompt tokens to read first
-            moves every idle sequence to the cache tiers (see the module's docstring); None: never.
+        clear_idle_rows: a generation admitted with at least this many prompt tokens to read, and
+            nothing else running, first moves every idle sequence to the cache tiers (see the
+            module's docstring); None: never.
             Only with ``store``, and only where sequences share one pool.
         rollback: a recurrent or hybrid model's checkpoints per sequence (owned by the caller, who
             closes it after this scheduler): prompts are read up to each checkpoint and saved there,
@@ -357,7 +361,8 @@ class Scheduler:
                     generation.order = self._orders
                 self._running.append(generation)
                 self._running.sort(key=lambda g: g.order)
-                if self.clear_idle_rows is not None and len(generation.todo) >= self.clear_idle_rows:
+                if (self.clear_idle_rows is not None and len(generation.todo) >= self.clear_idle_rows
+                        and len(self._running) == 1):
                     for resident in self.residency.idle():
                         self._evict(resident)
 
