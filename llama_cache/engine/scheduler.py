@@ -47,8 +47,7 @@ nothing else in the pool, 4.6 s beside five idle 1,100-token conversations). Sto
 conversation and restoring it when it comes back costs about what 90 rows walking its cells cost, so
 short prompts (a conversation's next turn) leave them where they are. Reading the states out holds
 the step loop (about 25 ms per 1,000 tokens), so it is done only when no other generation would wait
-for it: clearing on every long prompt let a stream of long requests stall everyone else's tokens
-(``benchmarks/serve_noisy.py``).
+for it: otherwise clients sending long prompts one after another could hold everyone's tokens so.
 
 Thread-safety: :meth:`Scheduler.submit`, :meth:`Scheduler.wake`, :meth:`Scheduler.close` and the
 counters may be used from any thread; everything else runs on the scheduler's thread.
