@@ -227,8 +227,8 @@ def test_a_long_prompt_moves_the_idle_sequences_to_the_tiers_and_a_short_one_lea
 
 
 def _held_generation(engine: Engine) -> tuple[threading.Event, threading.Event, threading.Event, threading.Thread]:
-    """A generation whose cancellation check, once armed, holds the scheduler's thread until released,
-    then cancels it: (armed, inside, release, its thread)."""
+    """A running generation whose cancellation check, once armed, holds the scheduler's thread until
+    released, then cancels it (its sequence is left idle): (armed, inside, release, its thread)."""
     armed, inside, release = threading.Event(), threading.Event(), threading.Event()
 
     def cancelled() -> bool:
@@ -241,29 +241,53 @@ def _held_generation(engine: Engine) -> tuple[threading.Event, threading.Event, 
     thread = threading.Thread(target=lambda: engine.completions(cancelled=cancelled).create_completion(
         "Count: 1, 2, 3,", max_tokens=400, temperature=0))
     thread.start()
+    deadline = time.monotonic() + 60
+    while engine.scheduler.running == 0 and time.monotonic() < deadline:  # it holds a sequence
+        time.sleep(0.01)
+    assert engine.scheduler.running == 1
     return armed, inside, release, thread
 
 
 def test_a_turn_whose_sequence_left_after_it_was_submitted_is_restored_from_the_tiers() -> None:
     # The next turn is submitted while its conversation is idle in the context (so its caller takes no
-    # state from the tiers); a long prompt admitted before it moves that sequence out.
+    # state from the tiers); a request admitted before it, finding no free sequence id, evicts it.
+    cache = LlamaRAMCache(capacity_bytes=1 << 30)
+    with Engine(n_ctx=2048, parallel=1, idle_sequences=1, cache=cache, clear_idle_rows=None) as engine:
+        first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
+        _greedy(engine, first, 2)
+        armed, inside, release, thread = _held_generation(engine)
+        armed.set()
+        assert inside.wait(60)  # the scheduler's thread is held: nothing is admitted meanwhile
+        other = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow."),
+                              max_tokens=2, temperature=0)
+        turn = engine.submit(first + engine.model.tokenize(b" Name one:", add_bos=False), max_tokens=2,
+                             temperature=0)
+        release.set()  # the held generation ends; both sequence ids hold tokens, the oldest is evicted
+        thread.join(120)
+        for request in (other, turn):
+            request.result(timeout=120)
+        assert engine.scheduler.stats.evicted >= 1
+        assert engine.scheduler.stats.restored_tokens >= len(first) - 1
+        assert turn.cached_tokens >= len(first) - 1
+
+
+def test_a_long_prompt_leaves_the_idle_sequence_a_waiting_turn_goes_on_from() -> None:
     cache = LlamaRAMCache(capacity_bytes=1 << 30)
     with Engine(n_ctx=2048, parallel=3, idle_sequences=1, cache=cache, clear_idle_rows=64) as engine:
         first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
         _greedy(engine, first, 2)
         armed, inside, release, thread = _held_generation(engine)
         armed.set()
-        assert inside.wait(60)  # the scheduler's thread is held: nothing is admitted meanwhile
+        assert inside.wait(60)
         other = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow. " * 10),
                               max_tokens=2, temperature=0)
         turn = engine.submit(first + engine.model.tokenize(b" Name one:", add_bos=False), max_tokens=2,
                              temperature=0)
-        release.set()  # the held generation ends: the long prompt is admitted alone
+        release.set()  # the long prompt is admitted alone, the turn right after it in the same step
         thread.join(120)
         for request in (other, turn):
             request.result(timeout=120)
-        assert engine.scheduler.stats.evicted >= 1  # the long prompt moved the conversation out
-        assert engine.scheduler.stats.restored_tokens >= len(first) - 1
+        assert engine.scheduler.stats.restored_tokens == 0  # the turn went on in its own sequence
         assert turn.cached_tokens >= len(first) - 1
 
 
@@ -271,19 +295,33 @@ def test_a_long_prompt_beside_a_running_generation_leaves_the_idle_sequences() -
     # Reading idle states out holds the step loop: not while another generation would wait for it.
     cache = LlamaRAMCache(capacity_bytes=1 << 30)
     with Engine(n_ctx=2048, parallel=3, idle_sequences=1, cache=cache, clear_idle_rows=64) as engine:
-        _greedy(engine, engine.model.tokenize(b"The harbours of the Baltic sea and their ships. " * 8), 2)
+        first = engine.model.tokenize(b"The harbours of the Baltic sea and their ships. " * 8)
+        _greedy(engine, first, 2)
         armed, inside, release, thread = _held_generation(engine)
-        deadline = time.monotonic() + 60
-        while engine.scheduler.running == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert engine.scheduler.running == 1
         long = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow. " * 10),
                              max_tokens=2, temperature=0)
         long.result(timeout=120)  # admitted and answered while the other generation runs
-        assert engine.scheduler.stats.evicted == 0 and engine.residency.idle()
+        assert engine.scheduler.running >= 1
+        assert engine.scheduler.stats.evicted == 0
+        assert engine.reusable(np.asarray(first, dtype=np.int32), engine.fingerprint()) >= len(first) - 1
         armed.set()
         release.set()
         thread.join(120)
+
+
+class _RefusingCache(LlamaRAMCache):
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise OSError("the tier is full")
+
+
+def test_an_idle_sequence_whose_state_the_tiers_refuse_stays_in_the_context() -> None:
+    with Engine(n_ctx=2048, parallel=1, idle_sequences=2, cache=_RefusingCache(capacity_bytes=1 << 30),
+                clear_idle_rows=64) as engine:
+        first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
+        _greedy(engine, first, 2)
+        _greedy(engine, engine.model.tokenize(b"Mountains of Norway, their goats and their snow. " * 10), 2)
+        assert engine.scheduler.stats.evicted == 0  # clearing it would have lost it
+        assert engine.reusable(np.asarray(first, dtype=np.int32), engine.fingerprint()) >= len(first) - 1
 
 
 def test_without_tiers_or_with_clearing_off_idle_sequences_stay() -> None:

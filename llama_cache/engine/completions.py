@@ -186,12 +186,13 @@ class Completions:
             criteria.append(self.stop_check)
         run = _Run(engine.model, checked, stops, criteria, limit, self.token_watcher)
         prompt = np.array(checked, dtype=np.int32)
+        held = engine.reusable(prompt, self.fingerprint)  # before the lookup: an eviction after it is seen
         restore = engine.lookup(checked, self.fingerprint)
         generation = Generation(
             prompt=prompt, fingerprint=self.fingerprint,
             sampler=Sampler(settings, engine.model.n_vocab, list(logits_processor or [])),
             on_token=run.on_token, cancelled=self.cancelled, restore=restore,
-            counted_on=0 if restore is not None else engine.reusable(prompt, self.fingerprint),
+            counted_on=0 if restore is not None else held,
             keep_state=engine.store_finished or self.after_generation is not None)
         self._generation = generation
         self._run = run

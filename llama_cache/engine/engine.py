@@ -82,9 +82,11 @@ class Engine:
             its cells lie and what is decoded beside it; deterministic mode refuses it.
         cache: the cache tiers (None: none; idle sequences are the only reuse).
         clear_idle_rows: a request admitted with at least this many prompt tokens to evaluate, and
-            no other request running, first moves every idle sequence to ``cache`` (stored, its cells
-            freed), so that its rows do not walk their cells (docs/engine.md, "What the unified pool costs"); None: never. Applies
-            with a ``cache``, to a transformer model's shared pool (not in deterministic mode).
+            no other request running, first moves the idle sequences to ``cache`` (stored, then
+            emptied), so that its rows do not walk their cells (docs/engine.md, "What the unified
+            pool costs"), but those a waiting request goes on from and those the cache refused;
+            None: never. Applies with a ``cache``, to a transformer model's shared pool (not in
+            deterministic mode).
         store_finished: store each finished completion's state in ``cache`` as it ends (else at
             eviction and at :meth:`close`).
         chat_template: a Jinja2 chat template instead of the model's.
@@ -186,7 +188,9 @@ class Engine:
         """The cache tiers' state for the longest head of ``tokens`` in that namespace, if it reaches
         further than the context's sequences; None otherwise. A failing cache is a logged miss.
 
-        Runs in the caller's thread (a disk or Redis tier may take milliseconds).
+        Runs in the caller's thread (a disk or Redis tier may take milliseconds), and on the
+        scheduler's for a request whose head left the context between its submission and its
+        admission (rare: see :attr:`~.scheduler.Generation.counted_on`).
         """
         cache = self.cache
         if cache is None or len(tokens) < 2:
@@ -210,15 +214,18 @@ class Engine:
             return None
         return state
 
-    def store(self, state: LlamaState) -> None:
-        """Give ``state`` to the cache tiers; a failing cache is logged, never raised."""
+    def store(self, state: LlamaState) -> bool:
+        """Give ``state`` to the cache tiers; False if there are none or they failed (logged, never
+        raised). True says the tiers raised nothing, not that a budget will keep it."""
         cache = self.cache
         if cache is None:
-            return
+            return False
         try:
             cache[state.tokens] = state
         except Exception as error:  # noqa: BLE001 - storing is an optimisation
             logger.warning("prompt cache store failed: %s: %s", type(error).__name__, error)
+            return False
+        return True
 
     def figures(self) -> dict[str, float]:
         """The engine's counters and gauges now (for metrics): sequences waiting, tokens evaluated,

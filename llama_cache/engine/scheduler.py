@@ -38,8 +38,9 @@ the cache tiers first (``store``); if that is not enough, the youngest running g
 preempted: its cells are dropped and it waits, first in line, to evaluate its tokens again (a greedy
 answer is unchanged). A decode never fails for want of cells.
 
-Idle sequences also leave for the cache tiers, all of them, when a generation is admitted with at
-least ``clear_idle_rows`` prompt tokens to read and nothing else running (as ``llama-server
+Idle sequences also leave for the cache tiers (but those a waiting generation goes on from, and
+those whose state the tiers refused) when a generation is admitted with at least
+``clear_idle_rows`` prompt tokens to read and nothing else running (as ``llama-server
 --cache-idle-slots`` does on each new task): in one pool every row a step evaluates walks the cells
 up to the highest in use, idle conversations' included, so a long prompt read beside them costs more
 the more they hold (measured with the default model, 2 threads: 800 prompt tokens in 3.2 s with
@@ -105,9 +106,9 @@ class Generation:
         restore: a state of the cache tiers for a head of ``prompt`` (the caller looked it up), used
             if it reaches further than any sequence.
         counted_on: without ``restore``, how many leading tokens of ``prompt`` a sequence of the
-            context held when the caller looked in the tiers. If no sequence holds that many when it
-            is admitted (that sequence was evicted meanwhile, its state given to the tiers), the
-            scheduler looks in the tiers again, on its thread (``lookup``).
+            context held when the caller looked in the tiers. If no sequence holds that many when the
+            scheduler places it (that sequence was evicted meanwhile, its state given to the tiers),
+            the scheduler looks in the tiers again, once, on its thread (``lookup``).
         keep_state: when it ends, its sequence's state is read into :attr:`state` (for the caller to
             store in the cache tiers).
 
@@ -176,8 +177,8 @@ class Scheduler:
     Args:
         context: the context it owns from now on.
         residency: its sequences.
-        store: gives an evicted sequence's state to the cache tiers (never raises); None: evictions
-            drop their state.
+        store: gives an evicted sequence's state to the cache tiers, returning whether they took it
+            (never raises); None: evictions drop their state.
         lookup: the cache tiers' state for the longest head of some tokens in a namespace, or None
             (never raises): asked for a generation whose head was evicted after its caller looked
             (see :attr:`Generation.counted_on`).
@@ -198,7 +199,7 @@ class Scheduler:
     """
 
     def __init__(self, context: BatchContext, residency: Residency, *,
-                 store: Callable[[LlamaState], None] | None = None,
+                 store: Callable[[LlamaState], bool] | None = None,
                  lookup: Callable[[npt.NDArray[np.int32], str], LlamaState | None] | None = None,
                  max_running: int | None = None,
                  prompt_rows_per_step: int = 64, deterministic: bool = False,
@@ -362,8 +363,19 @@ class Scheduler:
                 self._running.sort(key=lambda g: g.order)
                 if (self.clear_idle_rows is not None and len(generation.todo) >= self.clear_idle_rows
                         and len(self._running) == 1):
-                    for resident in self.residency.idle():
-                        self._evict(resident)
+                    self._clear_idle()
+
+    def _clear_idle(self) -> None:
+        """Move the idle sequences to the cache tiers (see the module's docstring), but those a
+        waiting generation would go on from, and those whose state could not be stored."""
+        wanted = set()
+        for waiting in self._waiting:
+            tokens = waiting.tokens()
+            source, _ = self.residency.reusable(tokens, waiting.fingerprint, len(tokens) - 1)
+            wanted.add(id(source))
+        for resident in self.residency.idle():
+            if id(resident) not in wanted and self._store_resident(resident):
+                self._evict(resident)
 
     def _place(self, generation: Generation) -> bool:
         """Give ``generation`` a sequence holding the longest reusable head of its tokens; False: not now."""
@@ -375,8 +387,11 @@ class Scheduler:
             return True
         source, reused = residency.reusable(tokens, fingerprint, limit)
         if generation.restore is None and generation.counted_on > reused and self._lookup is not None:
-            generation.restore = self._lookup(tokens, fingerprint)  # the head it counted on went to the tiers
-        generation.counted_on = 0
+            generation.counted_on = 0  # one look: the head it counted on went to the tiers
+            try:
+                generation.restore = self._lookup(tokens, fingerprint)
+            except Exception as error:  # noqa: BLE001 - a failing lookup is a miss
+                logger.warning("prompt cache lookup failed: %s: %s", type(error).__name__, error)
         if not residency.whole_states_only and self._head_in_flight(tokens[:limit], fingerprint, reused):
             return False
         restore, usable = generation.restore, 0
@@ -557,13 +572,17 @@ class Scheduler:
         self.residency.emptied(resident)
         self.stats.evicted += 1
 
-    def _store_resident(self, resident: Resident) -> None:
-        if self._store is None or resident.n == 0 or resident.stored >= resident.n:
-            return
+    def _store_resident(self, resident: Resident) -> bool:
+        """Give ``resident``'s state to the tiers unless they hold it; whether they do now."""
+        if self._store is None:
+            return False
+        if resident.n == 0 or resident.stored >= resident.n:
+            return True
         try:
-            self._store(self.snapshot(resident))
+            return self._store(self.snapshot(resident))
         except Exception as error:  # noqa: BLE001 - storing is an optimisation
             logger.warning("could not store an evicted sequence's state: %s: %s", type(error).__name__, error)
+            return False
 
     def snapshot(self, resident: Resident) -> LlamaState:
         """``resident``'s tokens and llama.cpp state as a :class:`LlamaState` (its namespace's); marks
