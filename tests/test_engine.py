@@ -12,6 +12,7 @@ import pytest
 
 from llama_cache import Llama, LlamaRAMCache, default_model_path
 from llama_cache import Engine
+from llama_cache.engine.requests import EngineRequest
 from llama_cache.engine.residency import Residency
 from llama_cache.engine.text import StopText
 
@@ -248,47 +249,42 @@ def _held_generation(engine: Engine) -> tuple[threading.Event, threading.Event, 
     return armed, inside, release, thread
 
 
-def test_a_turn_whose_sequence_left_after_it_was_submitted_is_restored_from_the_tiers() -> None:
-    # The next turn is submitted while its conversation is idle in the context (so its caller takes no
-    # state from the tiers); a request admitted before it, finding no free sequence id, evicts it.
-    cache = LlamaRAMCache(capacity_bytes=1 << 30)
-    with Engine(n_ctx=2048, parallel=1, idle_sequences=1, cache=cache, clear_idle_rows=None) as engine:
-        first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
-        _greedy(engine, first, 2)
-        armed, inside, release, thread = _held_generation(engine)
-        armed.set()
-        assert inside.wait(60)  # the scheduler's thread is held: nothing is admitted meanwhile
-        other = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow."),
-                              max_tokens=2, temperature=0)
-        turn = engine.submit(first + engine.model.tokenize(b" Name one:", add_bos=False), max_tokens=2,
-                             temperature=0)
-        release.set()  # the held generation ends; both sequence ids hold tokens, the oldest is evicted
-        thread.join(120)
-        for request in (other, turn):
-            request.result(timeout=120)
-        assert engine.scheduler.stats.evicted >= 1
-        assert engine.scheduler.stats.restored_tokens >= len(first) - 1
-        assert turn.cached_tokens >= len(first) - 1
+def _turn_sent_beside(engine: Engine, first: list[int], other_prompt: bytes) -> EngineRequest:
+    """Send ``other_prompt`` and then ``first``'s next turn while the scheduler's thread is held (so
+    the turn's caller sees its conversation in the context), let them run together; the turn."""
+    armed, inside, release, thread = _held_generation(engine)
+    armed.set()
+    assert inside.wait(60)  # the scheduler's thread is held: nothing is admitted meanwhile
+    other = engine.submit(engine.model.tokenize(other_prompt), max_tokens=2, temperature=0)
+    turn = engine.submit(first + engine.model.tokenize(b" Name one:", add_bos=False), max_tokens=2, temperature=0)
+    release.set()  # the held generation ends: the other request is admitted first, the turn after it
+    thread.join(120)
+    for request in (other, turn):
+        request.result(timeout=120)
+    return turn
 
 
-def test_a_long_prompt_leaves_the_idle_sequence_a_waiting_turn_goes_on_from() -> None:
+@pytest.mark.parametrize(("parallel", "clear_idle_rows", "repeat", "restored"), [
+    # Both sequence ids hold tokens when the other request is admitted: the oldest, the turn's
+    # conversation, is evicted to the tiers after the turn's caller saw it, and comes back from them.
+    pytest.param(1, None, 1, True, id="evicted-after-the-turn-was-sent"),
+    # A long prompt admitted alone clears idle sequences, but the one the waiting turn goes on from.
+    pytest.param(3, 64, 10, False, id="kept-for-the-waiting-turn"),
+])
+def test_a_turn_sent_beside_another_request_starts_from_its_whole_conversation(
+        parallel: int, clear_idle_rows: int | None, repeat: int, restored: bool) -> None:
     cache = LlamaRAMCache(capacity_bytes=1 << 30)
-    with Engine(n_ctx=2048, parallel=3, idle_sequences=1, cache=cache, clear_idle_rows=64) as engine:
+    with Engine(n_ctx=2048, parallel=parallel, idle_sequences=1, cache=cache,
+                clear_idle_rows=clear_idle_rows) as engine:
         first = engine.model.tokenize(b"A long preamble about the harbours of the Baltic sea and their ships. " * 5)
         _greedy(engine, first, 2)
-        armed, inside, release, thread = _held_generation(engine)
-        armed.set()
-        assert inside.wait(60)
-        other = engine.submit(engine.model.tokenize(b"Mountains of Norway, their goats and their snow. " * 10),
-                              max_tokens=2, temperature=0)
-        turn = engine.submit(first + engine.model.tokenize(b" Name one:", add_bos=False), max_tokens=2,
-                             temperature=0)
-        release.set()  # the long prompt is admitted alone, the turn right after it in the same step
-        thread.join(120)
-        for request in (other, turn):
-            request.result(timeout=120)
-        assert engine.scheduler.stats.restored_tokens == 0  # the turn went on in its own sequence
+        turn = _turn_sent_beside(engine, first, b"Mountains of Norway, their goats and their snow. " * repeat)
         assert turn.cached_tokens >= len(first) - 1
+        if restored:
+            assert engine.scheduler.stats.evicted >= 1
+            assert engine.scheduler.stats.restored_tokens >= len(first) - 1
+        else:
+            assert engine.scheduler.stats.restored_tokens == 0  # the turn went on in its own sequence
 
 
 def test_a_long_prompt_beside_a_running_generation_leaves_the_idle_sequences() -> None:
