@@ -321,11 +321,13 @@ def test_an_idle_sequence_whose_state_the_tiers_refuse_stays_in_the_context() ->
 
 
 def test_without_tiers_or_with_clearing_off_idle_sequences_stay() -> None:
-    prompts = [f"Text {i}: the harbours of the Baltic sea and their ships, ".encode() * 5 for i in range(3)]
+    prompts = [f"Text {i}: the harbours of the Baltic sea and their ships, ".encode() * 12 for i in range(3)]
     for options in ({}, {"cache": LlamaRAMCache(capacity_bytes=1 << 30), "clear_idle_rows": None}):
         with Engine(n_ctx=2048, parallel=1, idle_sequences=3, **options) as engine:
             for prompt in prompts:
-                _greedy(engine, engine.model.tokenize(prompt), 2)
+                tokens = engine.model.tokenize(prompt)
+                assert len(tokens) >= 128  # long enough to clear, were clearing on
+                _greedy(engine, tokens, 2)
             assert engine.scheduler.stats.evicted == 0 and len(engine.residency.idle()) == 3
 
 
