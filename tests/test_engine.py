@@ -138,6 +138,46 @@ class _Held:
         budget.decode_step, budget.prompt_row = 0.001, 1.0
         assert budget.rows(1) == budget.floor == 8
 
+    def hold_cheap_prompt_rows(self) -> None:
+        """While held, make prompt rows look cheap: beside a sampling row a step may carry the cap."""
+        assert self.entered.wait(60)
+        budget = self.engine.scheduler.step_budget
+        budget.decode_step, budget.prompt_row = 1.0, 0.001
+        assert budget.rows(1) == budget.cap
+
+
+def test_after_an_answer_ends_another_prompt_is_read_from_the_floor_up() -> None:
+    # An answer's conversation often sends its next request at once: the steps after an answer ends
+    # read another request's long prompt in chunks of 8, 16, 32 rows, then the cap, so that such a
+    # follow-up finds a short step begun, not a full chunk.
+    with Engine(n_ctx=2048, parallel=2, prompt_rows_per_step=64) as engine:
+        held = _Held(engine)
+        steps: dict[str, list[int]] = {"short": [], "long": []}
+
+        def recorder(name: str) -> object:
+            def record(input_ids: object, scores: object) -> object:
+                steps[name].append(engine.scheduler.stats.steps)
+                return scores
+            return record
+
+        short = engine.submit("Name a colour, please.", max_tokens=2, temperature=0,
+                              logits_processor=[held, recorder("short")])
+        # While held, rows look cheap: beside the short answer's next token the long prompt reads the cap.
+        held.hold_cheap_prompt_rows()
+        long = engine.submit("Summarise: " + "the river runs to the sea and " * 80, max_tokens=1, temperature=0,
+                             logits_processor=[recorder("long")])
+        held.released.set()
+        assert short.result()["choices"][0]["finish_reason"] == "length"
+        rows = long.result()["usage"]["prompt_tokens"] - long.cached_tokens
+        # The step of the short answer's last token read 64 rows of the long prompt; the answer ended
+        # in it, so the rest went 8, 16, 32, 64, ... rows a step, its last chunk whole.
+        left, ramp, expected = rows - 64, 8, 0
+        while left > 0:
+            left -= left if left <= 64 else min(ramp, left)
+            ramp, expected = min(64, 2 * ramp), expected + 1
+        assert expected != -(-(rows - 64) // 64)  # the prompt is long enough to tell the two apart
+        assert steps["long"][0] - steps["short"][1] == expected
+
 
 def test_prompts_that_finish_go_whole_and_a_long_one_beside_them_reads_the_floor() -> None:
     # Three later turns arriving together while a sequence generates are read in one step, beyond

@@ -78,6 +78,20 @@ def test_means_move_by_the_smoothing_weight() -> None:
     assert budget.decode_step == pytest.approx(0.150)
 
 
+def test_after_an_answer_ends_chunks_start_from_the_floor_and_double_back_to_the_cap() -> None:
+    budget = StepBudget(64, floor=8)
+    assert budget.ramp == 64  # nothing has ended yet
+    budget.answer_ended()
+    seen = []
+    for _ in range(5):
+        seen.append(budget.ramp)
+        budget.stepped()
+    assert seen == [8, 16, 32, 64, 64]
+    budget.answer_ended()
+    assert budget.ramp == 8
+    assert StepBudget(4, floor=8).ramp == 4  # never above the cap
+
+
 @pytest.mark.parametrize("kwargs", [{"cap": 0}, {"cap": 8, "slack": -1.0}, {"cap": 8, "smoothing": 0.0},
                                     {"cap": 8, "smoothing": 1.5}])
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:

@@ -20,7 +20,10 @@ Each step the :class:`Scheduler`
    generating sequence's next token, or a later turn's first one, waits for one bounded chunk of
    another request's long prompt, however long that prompt and however full the pool (prompts that
    finish are not bounded so: a burst of short requests costs the streams one longer step, up to
-   the cap). Logits only for the rows that sample;
+   the cap). Right after an answer ends, those chunks start again from the floor and double each
+   step back to the cap: its conversation's next request often follows within milliseconds (an
+   agent's next call, a client going on at once), and it waits for a short step instead of a full
+   chunk of someone else's prompt. Logits only for the rows that sample;
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
    generation's ``on_token`` says whether it ends there.
 
@@ -310,10 +313,12 @@ class Scheduler:
             self._sample(generation, lambda g=generation, r=resident, x=row: g.sampler.sample_row(x, r.tokens))
         if not self._running:
             return False
-        for _ in range(8):
+        for attempt in range(8):
             plan = self._plan()
             if not plan:
                 return False
+            if attempt == 0:
+                self.step_budget.stepped()  # before the decode: an answer ending in it starts the ramp again
             rows = plan[-1][1] + plan[-1][2]
             try:
                 self._decode(plan)
@@ -638,7 +643,8 @@ class Scheduler:
         # shortest first, but prompts passed over for STALLED_STEPS steps before them, the longest
         # passed over (then the oldest) first, so that none waits forever behind a stream of shorter
         # ones: if any row of the step samples (a generated token, a prompt finishing), only what fits
-        # the measured time budget, at least the floor.
+        # the measured time budget, at least the floor; and, just after an answer ended, only the
+        # budget's ramp (StepBudget.answer_ended).
         free = self._free_cells() - rows
 
         def fitted(generation: Generation, want: int) -> int:
@@ -671,7 +677,7 @@ class Scheduler:
             free -= take
             if take == left:
                 sampling += 1
-        limit = max(budget.rows(sampling) - taken, budget.floor)
+        limit = max(min(budget.rows(sampling), budget.ramp) - taken, budget.floor)
         stalled = sorted((g for g in going_on if g.stalled >= STALLED_STEPS), key=lambda g: (-g.stalled, g.order))
         going_on = stalled + [g for g in going_on if g.stalled < STALLED_STEPS]
         for generation in going_on:
@@ -793,6 +799,8 @@ class Scheduler:
         if generation in self._running:
             self._running.remove(generation)
         generation.sampler.close()
+        if reason in ("stop", "length"):
+            self.step_budget.answer_ended()
         generation.finish_reason = reason
         generation.error = error
         generation.done.set()

@@ -12,7 +12,10 @@ advance by at least ``floor`` rows a step, so none waits forever behind a stream
 A step that carries no decode row reads at most ``cap`` rows: llama.cpp's CPU prefill is no faster in
 larger ubatches (one run each of ``llama-batched-bench -m MODEL -c 4096 -b N -ub N -npp 1024 -ntg 1
 -npl 1 -t 2 -fa off``, the default model: 286 tokens/s with N = 128, 242 with N = 512), and a request
-arriving meanwhile waits for the whole step.
+arriving meanwhile waits for the whole step. Right after an answer ends, the chunks of prompts that
+cannot finish start again from the floor and double each step back to the cap (:attr:`StepBudget.ramp`):
+the answer's conversation often sends its next request at once, and it should not find a full chunk
+of another request's prompt just begun.
 
 Owned by the scheduler's thread; its figures (:attr:`StepBudget.decode_step`, :attr:`StepBudget.prompt_row`,
 :meth:`StepBudget.rows`) may be read from any thread for metrics (a read may miss the latest step).
@@ -47,6 +50,9 @@ class StepBudget:
         """Mean seconds of a step of decode rows alone (None: none measured yet)."""
         self.prompt_row: float | None = None
         """Mean seconds a prompt row adds to a step (None: none measured yet)."""
+        self.ramp = cap
+        """The most rows of prompts that cannot finish the next step may carry: :attr:`floor` after an
+        answer ends, doubled each step back up to :attr:`cap` (see :meth:`answer_ended`)."""
 
     def rows(self, decode_rows: int) -> int:
         """The most prompt rows a step beside ``decode_rows`` rows that sample may carry."""
@@ -55,6 +61,22 @@ class StepBudget:
             return self.cap
         fit = self.slack * decode_step / prompt_row
         return self.cap if fit >= self.cap else max(self.floor, int(fit))
+
+    def answer_ended(self) -> None:
+        """An answer just ended: the next steps' chunks start again from the floor.
+
+        Its conversation's next request (an agent's next call, a client going on at once) often comes
+        within milliseconds, while the loop has already begun its next step; a chunk of another
+        request's long prompt in that step would hold its first token for the whole chunk (a 64-row
+        chunk: about 0.3 s on the project's 2-core machine). Doubling back to the cap costs a couple of
+        steps' fixed cost, and a follow-up waits for a short step.
+        """
+        self.ramp = self.floor
+
+    def stepped(self) -> None:
+        """A step was planned (call it before its decode, in which an answer may end): the ramp
+        doubles, up to the cap."""
+        self.ramp = min(self.cap, self.ramp * 2)
 
     def observe(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
         """Record a step's decode: ``decode_rows`` generated tokens' rows and ``prompt_rows`` prompt

@@ -32,7 +32,7 @@ figures are read when ``/metrics`` is scraped, from ``cache.stats()``, the gate 
     llama_cache_engine_prompt_row_seconds               mean time a prompt row adds to a step
     llama_cache_engine_prompt_rows_while_generating     prompt rows a step may carry beside generating
                                                         sequences now (those two measurements' ratio,
-                                                        8 to 128)
+                                                        8 to the engine's prompt rows per step)
 """
 
 from __future__ import annotations
