@@ -164,19 +164,39 @@ def test_after_an_answer_ends_another_prompt_is_read_from_the_floor_up() -> None
                               logits_processor=[held, recorder("short")])
         # While held, rows look cheap: beside the short answer's next token the long prompt reads the cap.
         held.hold_cheap_prompt_rows()
-        long = engine.submit("Summarise: " + "the river runs to the sea and " * 80, max_tokens=1, temperature=0,
+        long = engine.submit("Summarise: " + "the river runs to the sea and " * 75, max_tokens=1, temperature=0,
                              logits_processor=[recorder("long")])
         held.released.set()
         assert short.result()["choices"][0]["finish_reason"] == "length"
         rows = long.result()["usage"]["prompt_tokens"] - long.cached_tokens
         # The step of the short answer's last token read 64 rows of the long prompt; the answer ended
         # in it, so the rest went 8, 16, 32, 64, ... rows a step, its last chunk whole.
-        left, ramp, expected = rows - 64, 8, 0
-        while left > 0:
-            left -= left if left <= 64 else min(ramp, left)
-            ramp, expected = min(64, 2 * ramp), expected + 1
-        assert expected != -(-(rows - 64) // 64)  # the prompt is long enough to tell the two apart
+        expected = _steps_to_read(rows - 64, [8, 16, 32])
+        # The prompt's length tells that ramp from none, from one starting at 16, and from one skipping 16.
+        assert expected not in {_steps_to_read(rows - 64, ramp) for ramp in ([], [16, 32], [8, 32])}
         assert steps["long"][0] - steps["short"][1] == expected
+
+
+def _steps_to_read(rows: int, ramp: list[int], cap: int = 64) -> int:
+    """Steps that read ``rows`` prompt rows alone: chunks of ``ramp``'s sizes, then of the cap, the
+    last one whole once it fits the cap."""
+    steps = 0
+    while rows > 0:
+        rows -= rows if rows <= cap else min(ramp[steps] if steps < len(ramp) else cap, rows)
+        steps += 1
+    return steps
+
+
+def test_once_nothing_runs_the_ramp_is_over() -> None:
+    # One user: an answer ends, nothing runs, then a long first prompt comes: it is read at the cap
+    # from its first step, not 8, 16, 32 rows.
+    with Engine(n_ctx=2048, parallel=2, prompt_rows_per_step=64) as engine:
+        engine.submit("Name a colour, please.", max_tokens=2, temperature=0).result(timeout=120)
+        time.sleep(0.2)  # the loop finds nothing running
+        before = engine.scheduler.stats.steps
+        long = engine.submit("Summarise: " + "the river runs to the sea and " * 80, max_tokens=1, temperature=0)
+        rows = long.result(timeout=120)["usage"]["prompt_tokens"] - long.cached_tokens
+        assert engine.scheduler.stats.steps - before == _steps_to_read(rows, []) < _steps_to_read(rows, [8, 16, 32])
 
 
 def test_prompts_that_finish_go_whole_and_a_long_one_beside_them_reads_the_floor() -> None:

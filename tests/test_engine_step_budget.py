@@ -82,14 +82,15 @@ def test_after_an_answer_ends_chunks_start_from_the_floor_and_double_back_to_the
     budget = StepBudget(64, floor=8)
     assert budget.ramp == 64  # nothing has ended yet
     budget.answer_ended()
-    seen = []
-    for _ in range(5):
-        seen.append(budget.ramp)
-        budget.stepped()
-    assert seen == [8, 16, 32, 64, 64]
-    budget.answer_ended()
-    assert budget.ramp == 8
-    assert StepBudget(4, floor=8).ramp == 4  # never above the cap
+    assert [budget.take_ramp() for _ in range(5)] == [8, 16, 32, 64, 64]
+    budget.take_ramp()
+    budget.answer_ended()  # during a step's decode, after its ramp was taken: the next step's is the floor
+    assert budget.take_ramp() == 8
+    budget.idle()  # nothing runs: the ramp is over
+    assert budget.take_ramp() == 64
+    small = StepBudget(4, floor=8)
+    small.answer_ended()
+    assert small.take_ramp() == small.ramp == 4  # never above the cap
 
 
 @pytest.mark.parametrize("kwargs", [{"cap": 0}, {"cap": 8, "slack": -1.0}, {"cap": 8, "smoothing": 0.0},

@@ -20,10 +20,12 @@ Each step the :class:`Scheduler`
    generating sequence's next token, or a later turn's first one, waits for one bounded chunk of
    another request's long prompt, however long that prompt and however full the pool (prompts that
    finish are not bounded so: a burst of short requests costs the streams one longer step, up to
-   the cap). Right after an answer ends, those chunks start again from the floor and double each
-   step back to the cap: its conversation's next request often follows within milliseconds (an
-   agent's next call, a client going on at once), and it waits for a short step instead of a full
-   chunk of someone else's prompt. Logits only for the rows that sample;
+   the cap). Right after an answer ends, whether rows sample or not, a step's prompt rows start
+   again from the floor and double each step back to the cap (prompts that finish still go whole,
+   those that cannot still read the floor), until nothing runs: its conversation's next request
+   often follows within milliseconds (an agent's next call, a client going on at once), and it
+   waits for a short step instead of a full chunk of someone else's prompt. Logits only for the
+   rows that sample;
 4. decodes it and samples each sequence's token from its row (:class:`~.sampling.Sampler`); the
    generation's ``on_token`` says whether it ends there.
 
@@ -187,7 +189,8 @@ class Scheduler:
             (see :attr:`Generation.counted_on`).
         max_running: generations running at once (the others wait); at most the sequence ids.
         prompt_rows_per_step: the most prompt rows a step carries, a prompt that cannot finish in it
-            fewer while other rows sample (see :class:`~.step_budget.StepBudget`).
+            fewer while other rows sample and right after an answer ends (see
+            :class:`~.step_budget.StepBudget`).
         deterministic: each generation's rows in decodes of their own (see the module's docstring);
             the context must give each sequence a stream of its own, with a cell to spare beyond
             what any generation holds.
@@ -312,13 +315,13 @@ class Scheduler:
             assert resident is not None
             self._sample(generation, lambda g=generation, r=resident, x=row: g.sampler.sample_row(x, r.tokens))
         if not self._running:
+            self.step_budget.idle()
             return False
-        for attempt in range(8):
-            plan = self._plan()
+        ramp = self.step_budget.take_ramp()
+        for _ in range(8):
+            plan = self._plan(ramp)
             if not plan:
                 return False
-            if attempt == 0:
-                self.step_budget.stepped()  # before the decode: an answer ending in it starts the ramp again
             rows = plan[-1][1] + plan[-1][2]
             try:
                 self._decode(plan)
@@ -340,6 +343,8 @@ class Scheduler:
                 return True
             self.stats.steps += 1
             self.stats.step_seconds += time.perf_counter() - started
+            if not self._running:
+                self.step_budget.idle()
             return True
         for generation in list(self._running):
             self._finish(generation, "error", RuntimeError("the context has no room for this batch"))
@@ -620,8 +625,9 @@ class Scheduler:
 
     # -- the batch -------------------------------------------------------------------------------
 
-    def _plan(self) -> list[tuple[Generation, int, int]]:
-        """Fill the batch: ``(generation, first row, rows)`` in row order (see the module's docstring)."""
+    def _plan(self, ramp: int) -> list[tuple[Generation, int, int]]:
+        """Fill the batch: ``(generation, first row, rows)`` in row order (see the module's docstring);
+        at most ``ramp`` prompt rows but for prompts that finish and the floor."""
         context = self.context
         decoding = [g for g in self._running if g.generating]
         while self._free_cells() < len(decoding):
@@ -643,8 +649,8 @@ class Scheduler:
         # shortest first, but prompts passed over for STALLED_STEPS steps before them, the longest
         # passed over (then the oldest) first, so that none waits forever behind a stream of shorter
         # ones: if any row of the step samples (a generated token, a prompt finishing), only what fits
-        # the measured time budget, at least the floor; and, just after an answer ended, only the
-        # budget's ramp (StepBudget.answer_ended).
+        # the measured time budget, at least the floor; and, just after an answer ended, only what the
+        # ramp leaves (StepBudget.answer_ended), at least the floor.
         free = self._free_cells() - rows
 
         def fitted(generation: Generation, want: int) -> int:
@@ -677,7 +683,7 @@ class Scheduler:
             free -= take
             if take == left:
                 sampling += 1
-        limit = max(min(budget.rows(sampling), budget.ramp) - taken, budget.floor)
+        limit = max(min(budget.rows(sampling), ramp) - taken, budget.floor)
         stalled = sorted((g for g in going_on if g.stalled >= STALLED_STEPS), key=lambda g: (-g.stalled, g.order))
         going_on = stalled + [g for g in going_on if g.stalled < STALLED_STEPS]
         for generation in going_on:
@@ -694,7 +700,7 @@ class Scheduler:
         for generation in going_on:
             generation.stalled = 0 if id(generation) in planned else generation.stalled + 1
         if not plan and self._running and self._preempt_youngest():
-            return self._plan()
+            return self._plan(ramp)
         return plan
 
     def _decode(self, plan: list[tuple[Generation, int, int]]) -> None:

@@ -12,8 +12,8 @@ advance by at least ``floor`` rows a step, so none waits forever behind a stream
 A step that carries no decode row reads at most ``cap`` rows: llama.cpp's CPU prefill is no faster in
 larger ubatches (one run each of ``llama-batched-bench -m MODEL -c 4096 -b N -ub N -npp 1024 -ntg 1
 -npl 1 -t 2 -fa off``, the default model: 286 tokens/s with N = 128, 242 with N = 512), and a request
-arriving meanwhile waits for the whole step. Right after an answer ends, the chunks of prompts that
-cannot finish start again from the floor and double each step back to the cap (:attr:`StepBudget.ramp`):
+arriving meanwhile waits for the whole step. Right after an answer ends, a step's prompt rows start
+again from the floor and double each step back to the cap, until nothing runs (:attr:`StepBudget.ramp`):
 the answer's conversation often sends its next request at once, and it should not find a full chunk
 of another request's prompt just begun.
 
@@ -51,8 +51,9 @@ class StepBudget:
         self.prompt_row: float | None = None
         """Mean seconds a prompt row adds to a step (None: none measured yet)."""
         self.ramp = cap
-        """The most rows of prompts that cannot finish the next step may carry: :attr:`floor` after an
-        answer ends, doubled each step back up to :attr:`cap` (see :meth:`answer_ended`)."""
+        """The most prompt rows the next step may carry (prompts that finish in it go whole all the
+        same, and others still read the floor): :attr:`floor` after an answer ends, doubled each
+        step back up to :attr:`cap` (see :meth:`answer_ended`)."""
 
     def rows(self, decode_rows: int) -> int:
         """The most prompt rows a step beside ``decode_rows`` rows that sample may carry."""
@@ -68,15 +69,22 @@ class StepBudget:
         Its conversation's next request (an agent's next call, a client going on at once) often comes
         within milliseconds, while the loop has already begun its next step; a chunk of another
         request's long prompt in that step would hold its first token for the whole chunk (a 64-row
-        chunk: about 0.3 s on the project's 2-core machine). Doubling back to the cap costs a couple of
-        steps' fixed cost, and a follow-up waits for a short step.
+        chunk: about 0.3 s on the project's 2-core machine). Each ending costs a few steps' fixed
+        cost (an 8-, 16- and 32-row step instead of a full one); answers ending every step or two keep
+        other prompts near the floor a step, which protects the streams' follow-ups but slows those
+        prompts, never below the floor.
         """
         self.ramp = self.floor
 
-    def stepped(self) -> None:
-        """A step was planned (call it before its decode, in which an answer may end): the ramp
-        doubles, up to the cap."""
-        self.ramp = min(self.cap, self.ramp * 2)
+    def take_ramp(self) -> int:
+        """The ramp for the step being planned; the next step's is twice it, up to the cap. Call it
+        once a step, before its decode (an answer ending in that decode starts the ramp again)."""
+        ramp, self.ramp = self.ramp, min(self.cap, self.ramp * 2)
+        return ramp
+
+    def idle(self) -> None:
+        """Nothing runs: the ramp is over (the next request is read at the cap from its first step)."""
+        self.ramp = self.cap
 
     def observe(self, decode_rows: int, prompt_rows: int, seconds: float) -> None:
         """Record a step's decode: ``decode_rows`` generated tokens' rows and ``prompt_rows`` prompt
